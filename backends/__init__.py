@@ -1,0 +1,79 @@
+"""The backend registry: the in-tree table plus the entry-point group ``portakern.backends``.
+
+Backends load lazily; one whose import raises is recorded as unavailable with the exception,
+and every other backend keeps working. This module is the only place that names backends.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from importlib import metadata
+
+from .base import Availability, Backend
+
+IN_TREE: dict[str, str] = {
+    "numpy": "portakern.backends.numpy:NumpyBackend",
+    "opencl": "portakern.backends.opencl:OpenCLBackend",
+    "cuda": "portakern.backends.cuda:CudaBackend",
+    "jax": "portakern.backends.jax:JaxBackend",
+}
+ENTRY_POINT_GROUP = "portakern.backends"
+
+_LOCK = threading.Lock()
+_CLASSES: dict[str, type[Backend] | Availability] = {}
+_EXTRA: dict[str, str | type[Backend]] = {}
+
+
+def _targets() -> dict[str, object]:
+    table: dict[str, object] = dict(IN_TREE)
+    try:
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            table.setdefault(ep.name, ep)
+    except Exception:  # broken metadata must not break the in-tree backends
+        pass
+    table.update(_EXTRA)
+    return table
+
+
+def names() -> list[str]:
+    """Every registered backend name (available or not), in-tree first."""
+    return list(_targets())
+
+
+def register_backend(name: str, target: str | type[Backend]) -> None:
+    """Register a backend class (or 'module:Class') under a name, e.g. from a plugin."""
+    with _LOCK:
+        _EXTRA[name] = target
+        _CLASSES.pop(name, None)
+
+
+def load(name: str) -> type[Backend] | Availability:
+    """The backend class, or an Availability explaining why it could not be imported."""
+    with _LOCK:
+        got = _CLASSES.get(name)
+        if got is not None:
+            return got
+        target = _targets().get(name)
+        if target is None:
+            raise KeyError(name)
+        try:
+            if isinstance(target, type):
+                cls = target
+            elif isinstance(target, str):
+                mod, _, attr = target.partition(":")
+                cls = getattr(importlib.import_module(mod), attr)
+            else:
+                cls = target.load()  # type: ignore[attr-defined]
+            got = cls
+        except Exception as exc:
+            got = Availability(False, f"importing the {name} backend raised "
+                                      f"{type(exc).__name__}: {exc}",
+                               "reinstall portakern or the plugin that provides it")
+        _CLASSES[name] = got
+        return got
+
+
+def availability(name: str) -> Availability:
+    got = load(name)
+    return got if isinstance(got, Availability) else got.probe()

@@ -1,0 +1,276 @@
+"""The one protocol every backend implements.
+
+A backend owns exactly: probing (usable here? if not, why and how to fix), devices, moving
+arrays in and out (counted), and executing a validated Problem — by compiling and launching
+the spec's rendered C kernel (``KernelBackend``) or by evaluating the spec's array-API
+semantics with its own array library (numpy, jax). It knows nothing about matmul or softmax
+beyond what the spec hands it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from portakern import codegen, dtypes
+from portakern.errors import InvalidArgumentError, UnsupportedDTypeError
+from portakern.spec import Buf, KernelSpec, Launch, Problem, Scalar
+
+
+@dataclass
+class DeviceInfo:
+    index: int
+    name: str
+    kind: str  # 'cpu' | 'gpu' | 'tpu' | 'accelerator'
+    vendor: str = ""
+    driver: str = ""
+    platform: str = ""
+    fp64: bool = True
+    max_work_group_size: int = 1024
+    local_mem_bytes: int = 48 * 1024
+    compute_units: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Availability:
+    available: bool
+    reason: str = ""
+    fix: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+    devices: list[DeviceInfo] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["devices"] = [x.as_dict() for x in self.devices]
+        return d
+
+
+class TransferCounter:
+    """Host<->device copies of operand/result data made by a backend (tests assert on it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.h2d = self.d2h = self.h2d_bytes = self.d2h_bytes = 0
+
+    def add(self, direction: str, nbytes: int) -> None:
+        with self._lock:
+            setattr(self, direction, getattr(self, direction) + 1)
+            setattr(self, direction + "_bytes", getattr(self, direction + "_bytes") + int(nbytes))
+
+    def snapshot(self) -> dict[str, int]:
+        return {"h2d": self.h2d, "d2h": self.d2h, "h2d_bytes": self.h2d_bytes,
+                "d2h_bytes": self.d2h_bytes}
+
+
+class Backend:
+    """Base class. Subclasses set ``name`` and implement the abstract methods."""
+
+    name: ClassVar[str] = ""
+    dialect: ClassVar[str | None] = None  # C dialect for KernelBackend subclasses
+    install_hint: ClassVar[str] = ""
+    _probe_cache: ClassVar[dict[type, Availability]] = {}
+
+    # --- probing --------------------------------------------------------------------------
+    @classmethod
+    def probe(cls) -> Availability:
+        """Availability, versions and devices; cached per class (probing can be slow)."""
+        got = Backend._probe_cache.get(cls)
+        if got is None:
+            try:
+                got = cls._probe()
+            except Exception as exc:  # a broken driver must not take the other backends down
+                got = Availability(False, f"probing raised {type(exc).__name__}: {exc}",
+                                   cls.install_hint)
+            Backend._probe_cache[cls] = got
+        return got
+
+    @classmethod
+    def _probe(cls) -> Availability:
+        raise NotImplementedError
+
+    @classmethod
+    def auto_choices(cls) -> list[tuple[int, str, str]]:
+        """(score, selector, why) for automatic selection; higher score wins. Default: none."""
+        return []
+
+    # --- instance: one device ------------------------------------------------------------
+    def __init__(self, selector: str | None = None) -> None:
+        self.selector = selector
+        self.transfers = TransferCounter()
+        self.device: DeviceInfo = self._open(selector)
+        self._lock = threading.RLock()
+
+    def _open(self, selector: str | None) -> DeviceInfo:
+        raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}:{self.device.index}"
+
+    @property
+    def device_class(self) -> str:
+        return "cpu" if self.device.kind == "cpu" else "gpu"
+
+    def supported_dtypes(self) -> tuple[str, ...]:
+        base = ("float32", "float16", "bfloat16")
+        return base + ("float64",) if self.device.fp64 else base
+
+    def describe(self) -> str:
+        return f"{self.label} ({self.device.name})"
+
+    # --- arrays --------------------------------------------------------------------------
+    def is_native(self, x: object) -> bool:
+        raise NotImplementedError
+
+    def to_native(self, x: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Block until queued work on this device has finished (benchmarks call it)."""
+
+    def as_input(self, name: str, x: Any) -> Any:
+        """A native, contiguous copy-free view when possible; numpy uploads are counted."""
+        if self.is_native(x):
+            return self.prepare_native(name, x)
+        arr = np.asarray(x)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        return self.to_native(arr)
+
+    def prepare_native(self, name: str, x: Any) -> Any:
+        return x
+
+    # --- execution -----------------------------------------------------------------------
+    def check_dtype(self, spec: KernelSpec, prob: Problem) -> None:
+        sup = self.supported_dtypes()
+        if prob.dtype not in sup:
+            fix = ("use a device with fp64 support or float32" if prob.dtype == "float64"
+                   else "cast to one of those")
+            raise UnsupportedDTypeError(
+                f"{spec.name}: dtype {prob.dtype} cannot run on {self.describe()}, which supports "
+                f"{', '.join(sup)}. Fix: {fix}.")
+
+    def run(self, spec: KernelSpec, prob: Problem, arrays: Mapping[str, Any],
+            config: Mapping[str, int] | None = None) -> Any:
+        """Execute a validated problem. numpy in -> numpy out; native in -> native out."""
+        self.check_dtype(spec, prob)
+        present = {k: v for k, v in arrays.items() if v is not None}
+        native_out = any(self.is_native(v) for v in present.values())
+        if prob.empty_result:
+            out = self.zeros(prob.out_shape, prob.dtype)
+        else:
+            ins = {k: self.as_input(k, v) for k, v in present.items()}
+            out = self.execute(spec, prob, ins, config)
+        return out if native_out else self.to_numpy(out)
+
+    def execute(self, spec: KernelSpec, prob: Problem, ins: dict[str, Any],
+                config: Mapping[str, int] | None) -> Any:
+        raise NotImplementedError
+
+
+class KernelBackend(Backend):
+    """A backend that compiles the spec's C kernel in its dialect and launches it."""
+
+    def __init__(self, selector: str | None = None) -> None:
+        super().__init__(selector)
+        self._kernels: dict[tuple, Any] = {}
+        self._configs: dict[tuple, dict[str, int]] = {}
+
+    # subclass API
+    def compile(self, source: str, entry_points: tuple[str, ...]) -> dict[str, Any]:
+        """Compile rendered source; return entry name -> launchable. Raise CompileError."""
+        raise NotImplementedError
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        raise NotImplementedError
+
+    def enqueue(self, kernel: Any, launch: Launch, args: list[Any]) -> None:
+        raise NotImplementedError
+
+    def buffer_arg(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    # shared machinery
+    def render(self, spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]) -> str:
+        assert self.dialect is not None
+        return codegen.render(spec.source, self.dialect, slots=spec.slots(prob),
+                              defines=spec.defines(prob, cfg))
+
+    def config_for(self, spec: KernelSpec, prob: Problem,
+                   overrides: Mapping[str, int] | None) -> dict[str, int]:
+        if overrides:
+            return spec.config(self.device_class, overrides, prob)
+        key = (spec.name, id(spec))
+        cfg = self._configs.get(key)
+        if cfg is None:
+            cfg = self.tuned_config(spec, prob) or spec.config(self.device_class, None, prob)
+            self._configs[key] = cfg
+        return cfg
+
+    def tuned_config(self, spec: KernelSpec, prob: Problem) -> dict[str, int] | None:
+        """Hook for the autotuner's database; None = use the spec's default schedule."""
+        return None
+
+    def kernels_for(self, spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]
+                    ) -> dict[str, Any]:
+        slots = spec.slots(prob)
+        defs = spec.defines(prob, cfg)
+        key = (spec.name, id(spec), tuple(sorted((k, dtypes.dtype_name(v)) for k, v in slots.items())),
+               tuple(sorted(defs.items())))
+        got = self._kernels.get(key)
+        if got is None:
+            with self._lock:
+                got = self._kernels.get(key)
+                if got is None:
+                    src = codegen.render(spec.source, self.dialect or "", slots=slots, defines=defs)
+                    got = self.compile(src, kernel_entry_points(spec, prob, cfg))
+                    self._kernels[key] = got
+        return got
+
+    def scalar(self, s: Scalar, prob: Problem) -> Any:
+        if s.ctype == "int":
+            return np.int32(s.value)
+        if s.ctype == "acc":
+            return prob.info.compute.type(s.value)
+        raise InvalidArgumentError(f"unknown scalar ctype {s.ctype!r}; expected 'int' or 'acc'.")
+
+    def execute(self, spec: KernelSpec, prob: Problem, ins: dict[str, Any],
+                config: Mapping[str, int] | None) -> Any:
+        cfg = self.config_for(spec, prob, config)
+        kernels = self.kernels_for(spec, prob, cfg)
+        out = self.empty(prob.out_shape, prob.dtype)
+        bufs = dict(ins)
+        bufs["out"] = out
+        for launch in spec.launches(prob, cfg):
+            wg = launch.local[0] * launch.local[1] * launch.local[2]
+            if wg > self.device.max_work_group_size:
+                raise InvalidArgumentError(
+                    f"{spec.name}: work-group of {wg} items ({launch.local}) exceeds "
+                    f"{self.device.max_work_group_size} on {self.describe()}; lower the tunables.")
+            args = [self.buffer_arg(bufs[a.name]) if isinstance(a, Buf) else self.scalar(a, prob)
+                    for a in launch.args]
+            self.enqueue(kernels[launch.kernel], launch, args)
+        return out
+
+
+def kernel_entry_points(spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]) -> tuple[str, ...]:
+    """Entry points a spec launches; read from its launch plan for this problem."""
+    return tuple(sorted({la.kernel for la in spec.launches(prob, cfg)}))

@@ -1,0 +1,70 @@
+"""numpy: the float64 oracle. Evaluates each spec's semantics in float64, casts to the output.
+
+Always available; it is what every other backend is tested against, and the reference a user
+can fall back to explicitly (never implicitly: portakern does not fall back silently).
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from portakern import dtypes
+from portakern.spec import KernelSpec, Problem
+
+from .base import Availability, Backend, DeviceInfo
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    install_hint = "numpy is a hard dependency; reinstall portakern"
+
+    @classmethod
+    def _probe(cls) -> Availability:
+        dev = DeviceInfo(0, platform.processor() or platform.machine(), "cpu",
+                         driver=f"numpy {np.__version__}", fp64=True)
+        return Availability(True, versions={"numpy": np.__version__}, devices=[dev])
+
+    @classmethod
+    def auto_choices(cls) -> list[tuple[int, str, str]]:
+        return [(0, "numpy", "the float64 reference; no faster backend is usable here")]
+
+    def _open(self, selector: str | None) -> DeviceInfo:
+        if selector not in (None, "", "0", "cpu"):
+            from portakern.errors import UnknownBackendError
+
+            raise UnknownBackendError(f"numpy has one device (numpy, numpy:0 or numpy:cpu); "
+                                      f"got numpy:{selector}.")
+        return self.probe().devices[0]
+
+    def supported_dtypes(self) -> tuple[str, ...]:
+        return tuple(dtypes.FLOAT_DTYPES)
+
+    def is_native(self, x: object) -> bool:
+        return isinstance(x, np.ndarray)
+
+    def as_input(self, name: str, x: Any) -> Any:
+        return np.asarray(x)
+
+    def to_native(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return x
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.zeros(shape, dtypes.info(dtype).storage)
+
+    def execute(self, spec: KernelSpec, prob: Problem, ins: dict[str, Any],
+                config: Mapping[str, int] | None) -> np.ndarray:
+        args = []
+        for op in spec.operands:
+            x = ins.get(op.name)
+            args.append(None if x is None else
+                        (x.astype(bool) if op.kind == "bool" else x.astype(np.float64)))
+        with np.errstate(all="ignore"):
+            ref = spec.semantics(np, *args, **prob.params)
+        return np.asarray(ref).astype(prob.info.storage)

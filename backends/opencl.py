@@ -1,0 +1,199 @@
+"""opencl: PyOpenCL on any OpenCL platform — AMD, Intel, NVIDIA, and PoCL on the CPU.
+
+Renders each spec's C kernel in the OpenCL dialect and builds it per device; programs are
+cached per (rendered source, options, device) in memory, and PyOpenCL/PoCL keep their own
+binary caches on disk. ``pyopencl.array.Array`` in -> ``Array`` out with no host copy.
+Numerics: no -cl-fast-relaxed-math or -cl-mad-enable (contraction to FMA stays the OpenCL C
+default, which the tolerance rules allow); fp16 storage uses core vload_half/vstore_half_rte.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from portakern import dtypes
+from portakern.errors import BackendUnavailable, CompileError, DeviceMemoryError, UnknownBackendError
+from portakern.spec import Launch
+
+from .base import Availability, DeviceInfo, KernelBackend
+
+try:  # optional dependency: guarded, with an install hint in the availability record
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    _IMPORT_ERROR: Exception | None = None
+except Exception as exc:  # pragma: no cover - depends on the machine
+    cl = cla = None  # type: ignore[assignment]
+    _IMPORT_ERROR = exc
+
+BUILD_OPTIONS: tuple[str, ...] = ()
+
+
+def _kind(dev: Any) -> str:
+    t = dev.type
+    if t & cl.device_type.GPU:
+        return "gpu"
+    if t & cl.device_type.CPU:
+        return "cpu"
+    return "accelerator"
+
+
+def _all_devices() -> list[tuple[Any, Any]]:
+    out = []
+    for plat in cl.get_platforms():
+        try:
+            devs = plat.get_devices()
+        except cl.Error:
+            continue
+        out.extend((plat, d) for d in devs)
+    return out
+
+
+class OpenCLBackend(KernelBackend):
+    name = "opencl"
+    dialect = "opencl"
+    install_hint = ("pip install 'portakern[opencl]' and an OpenCL driver: "
+                    "apt-get install pocl-opencl-icd (CPU) or your GPU vendor's ICD")
+
+    @classmethod
+    def _probe(cls) -> Availability:
+        if cl is None:
+            return Availability(False, f"pyopencl is not importable ({_IMPORT_ERROR})",
+                                "pip install 'portakern[opencl]'")
+        versions = {"pyopencl": cl.VERSION_TEXT}
+        try:
+            pairs = _all_devices()
+        except cl.Error as exc:
+            return Availability(False, f"no OpenCL platform found ({exc})",
+                                "apt-get install pocl-opencl-icd (CPU), or install your GPU "
+                                "vendor's OpenCL driver (ICD)", versions)
+        if not pairs:
+            return Availability(False, "OpenCL platforms exist but expose no device",
+                                "check the driver installation (clinfo lists devices)", versions)
+        devices = []
+        for i, (plat, d) in enumerate(pairs):
+            devices.append(DeviceInfo(
+                index=i, name=d.name.strip(), kind=_kind(d), vendor=d.vendor.strip(),
+                driver=d.driver_version, platform=f"{plat.name} {plat.version}".strip(),
+                fp64="cl_khr_fp64" in d.extensions,
+                max_work_group_size=int(d.max_work_group_size),
+                local_mem_bytes=int(d.local_mem_size), compute_units=int(d.max_compute_units),
+                extra={"opencl_c": d.opencl_c_version,
+                       "fp16_arith": "cl_khr_fp16" in d.extensions}))
+        return Availability(True, versions=versions, devices=devices)
+
+    @classmethod
+    def auto_choices(cls) -> list[tuple[int, str, str]]:
+        av = cls.probe()
+        if not av.available:
+            return []
+        out = []
+        for d in av.devices:
+            score = 80 if d.kind == "gpu" else 40 if d.kind == "accelerator" else 30
+            out.append((score, f"opencl:{d.index}",
+                        f"OpenCL {d.kind} {d.name} ({d.platform})"))
+        return out
+
+    def _open(self, selector: str | None) -> DeviceInfo:
+        av = self.probe()
+        if not av.available:
+            raise BackendUnavailable(f"opencl cannot run here: {av.reason}. Fix: {av.fix}.")
+        if selector in (None, ""):
+            gpus = [d for d in av.devices if d.kind == "gpu"]
+            info = (gpus or av.devices)[0]
+        else:
+            try:
+                idx = int(selector)
+            except ValueError:
+                raise UnknownBackendError(
+                    f"opencl device selector must be an index, e.g. opencl:0; got "
+                    f"opencl:{selector}. Devices: "
+                    + "; ".join(f"{d.index}={d.name}" for d in av.devices)) from None
+            if not 0 <= idx < len(av.devices):
+                raise BackendUnavailable(
+                    f"opencl:{idx} does not exist; this machine has {len(av.devices)} OpenCL "
+                    "device(s): " + "; ".join(f"opencl:{d.index} = {d.name}" for d in av.devices))
+            info = av.devices[idx]
+        _, self._cl_device = _all_devices()[info.index]
+        self.ctx = cl.Context([self._cl_device])
+        self.queue = cl.CommandQueue(self.ctx)
+        return info
+
+    # arrays
+    def is_native(self, x: object) -> bool:
+        return cla is not None and isinstance(x, cla.Array)
+
+    def prepare_native(self, name: str, x: Any) -> Any:
+        if x.context != self.ctx:
+            raise BackendUnavailable(
+                f"argument {name!r} lives in another OpenCL context than {self.describe()}; "
+                "create it with portakern.to_backend(x, backend) or on this backend's queue.")
+        if x.offset or not x.flags.c_contiguous:
+            from portakern.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(
+                f"argument {name!r} is a non-contiguous or offset pyopencl view (strides "
+                f"{x.strides}, offset {x.offset}); expected a contiguous array. Pass x.copy().")
+        return x
+
+    def to_native(self, x: np.ndarray) -> Any:
+        self.transfers.add("h2d", x.nbytes)
+        try:
+            return cla.to_device(self.queue, x)
+        except cl.MemoryError as exc:
+            raise DeviceMemoryError(f"cannot allocate {x.nbytes} bytes on {self.describe()} "
+                                    f"(global memory {self._cl_device.global_mem_size}): {exc}"
+                                    ) from None
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        self.transfers.add("d2h", x.nbytes)
+        return x.get(queue=self.queue)
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        st = dtypes.info(dtype).storage
+        nbytes = int(np.prod(shape)) * st.itemsize
+        try:
+            return cla.empty(self.queue, shape, st)
+        except (cl.MemoryError, cl.RuntimeError) as exc:
+            raise DeviceMemoryError(
+                f"cannot allocate {nbytes} bytes for an output {shape} {dtype} on "
+                f"{self.describe()} (global memory {self._cl_device.global_mem_size}, max "
+                f"allocation {self._cl_device.max_mem_alloc_size}): {exc}") from None
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
+        return cla.zeros(self.queue, shape, dtypes.info(dtype).storage)
+
+    def synchronize(self) -> None:
+        self.queue.finish()
+
+    # kernels
+    def compile(self, source: str, entry_points: tuple[str, ...]) -> dict[str, Any]:
+        options = list(BUILD_OPTIONS)
+        prg = cl.Program(self.ctx, source)
+        try:
+            prg = prg.build(options=options, devices=[self._cl_device], cache_dir=_cache_dir())
+        except cl.RuntimeError as exc:
+            try:
+                log = prg.get_build_info(self._cl_device, cl.program_build_info.LOG)
+            except cl.Error:
+                log = str(exc)
+            raise CompileError("OpenCL build failed", source=source, log=log or str(exc),
+                               options=tuple(options), device=self.describe()) from None
+        return {name: cl.Kernel(prg, name) for name in entry_points}
+
+    def buffer_arg(self, x: Any) -> Any:
+        return x.base_data if x.size else cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY, 1)
+
+    def enqueue(self, kernel: Any, launch: Launch, args: list[Any]) -> None:
+        gsize = tuple(g * lo for g, lo in zip(launch.groups, launch.local))
+        with self._lock:  # clSetKernelArg on a shared kernel object is not thread-safe
+            kernel.set_args(*args)
+            cl.enqueue_nd_range_kernel(self.queue, kernel, gsize, launch.local)
+
+
+def _cache_dir() -> str | None:
+    """PyOpenCL's binary cache directory (None = its default under the user cache dir)."""
+    return os.environ.get("PORTAKERN_OPENCL_CACHE") or None

@@ -1,0 +1,32 @@
+"""portakern: one kernel spec, every vendor's accelerator, proven equal and measured."""
+
+from __future__ import annotations
+
+from .api import attention, call, matmul, softmax
+from .errors import (
+    BackendUnavailable,
+    CompileError,
+    DeviceMemoryError,
+    DTypeError,
+    InvalidArgumentError,
+    NotAnArrayError,
+    PortakernError,
+    ShapeError,
+    SpecError,
+    UnknownBackendError,
+    UnsupportedDTypeError,
+)
+from .info import backends, to_backend
+from .ops import register_op
+from .selection import explain, use
+from .spec import Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailable", "Buf", "CompileError", "Cost", "DTypeError", "DeviceMemoryError",
+    "InvalidArgumentError", "KernelSpec", "Launch", "NotAnArrayError", "Operand",
+    "PortakernError", "Problem", "Scalar", "ShapeError", "SpecError", "Tunable",
+    "UnknownBackendError", "UnsupportedDTypeError", "attention", "backends", "call",
+    "explain", "matmul", "register_op", "softmax", "to_backend", "use",
+]

@@ -1,0 +1,1 @@
+"""Benchmark harness (see the benchmark issue)."""

@@ -1,0 +1,71 @@
+"""Every error portakern raises, in one place.
+
+Each class also derives from the builtin a caller would catch without knowing portakern
+(ValueError for bad values and shapes, TypeError for dtypes and non-arrays, RuntimeError
+for backend failures, MemoryError for allocation failures), so existing code keeps working.
+Messages follow one rule: say what was wrong, what was expected, and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class PortakernError(Exception):
+    """Base of every portakern error."""
+
+
+class ShapeError(PortakernError, ValueError):
+    """An operand's rank or dimensions do not fit the op's signature."""
+
+
+class DTypeError(PortakernError, TypeError):
+    """Operand dtypes are mixed, unsupported, or not what the op accepts."""
+
+
+class UnsupportedDTypeError(DTypeError):
+    """The dtype is valid for the op but the selected device cannot compute it (e.g. fp64)."""
+
+
+class NotAnArrayError(PortakernError, TypeError):
+    """An operand is not an array (numpy, a backend's device array, or array-like)."""
+
+
+class InvalidArgumentError(PortakernError, ValueError):
+    """A non-array argument (axis, scale, mask, tunable, option) is out of its domain."""
+
+
+class BackendUnavailable(PortakernError, RuntimeError):
+    """The requested backend or device cannot run here; the message names the reason and fix."""
+
+
+class UnknownBackendError(BackendUnavailable, ValueError):
+    """The backend string names no registered backend or is malformed."""
+
+
+class CompileError(PortakernError, RuntimeError):
+    """A rendered kernel failed to compile. Carries the device, options, numbered source, log."""
+
+    def __init__(self, message: str, *, source: str = "", log: str = "", options: tuple = (),
+                 device: str = "") -> None:
+        self.source = source
+        self.log = log
+        self.options = tuple(options)
+        self.device = device
+        numbered = number_lines(source) if source else ""
+        full = (f"{message}\n  device: {device}\n  options: {' '.join(self.options) or '(none)'}\n"
+                f"--- compiler log ---\n{log.strip()}\n--- rendered source ---\n{numbered}")
+        super().__init__(full)
+
+
+class DeviceMemoryError(PortakernError, MemoryError):
+    """A device allocation failed; the message names the requested and available sizes."""
+
+
+class SpecError(PortakernError, ValueError):
+    """A KernelSpec is malformed: the message names the spec, the field and the fix."""
+
+
+def number_lines(source: str) -> str:
+    """Return source with 1-based line numbers, as compiler logs refer to them."""
+    lines = source.splitlines()
+    width = len(str(len(lines)))
+    return "\n".join(f"{i + 1:>{width}} | {line}" for i, line in enumerate(lines))

@@ -1,0 +1,204 @@
+"""attention(q, k, v, causal=False, mask=None, scale=None): fused scaled-dot-product attention.
+
+Shapes: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) -> (B, Hq, Sq, Dv). Hkv must
+divide Hq (grouped-query attention; Hkv == Hq is multi-head, Hkv == 1 multi-query). mask is
+boolean, broadcastable to (B, Hq, Sq, Sk), True = attend. causal: query i attends keys j <= i
+(top-left aligned, as jax.nn.dot_product_attention and torch SDPA). scale defaults to
+1/sqrt(D). A query row with no key to attend (fully masked, causal with Sk = 0) returns 0.
+
+Error analysis. Scores s = scale q.k carry E_s = gamma_D scale |q|.|k| + u|s| absolute error;
+a softmax weight p_j = exp(s_j - m)/l then carries relative error 2 max_j E_s + u|s_j - m| +
+O(Sk u) (exp, sum, online rescales); o = sum_j p_j v_j adds Sk u sum_j p_j |v_j|. Every term
+scales with W = sum_j p_j |v_j|, so the bound is W * rel + u_out |o| + floor.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import dtype_name
+from ..errors import InvalidArgumentError, ShapeError
+from ..spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
+from ._common import broadcast_strides, cdiv, kernel_source, need_rank
+
+LOCAL_BUDGET_BYTES = 32 * 1024  # K/V tiles must fit this; BK is capped to honour it
+
+
+def keep_matrix(xp: Any, sq: int, sk: int, causal: bool, mask: Any) -> Any:
+    keep = None
+    if causal:
+        keep = xp.arange(sq)[:, None] >= xp.arange(sk)[None, :]
+    if mask is not None:
+        keep = mask if keep is None else xp.logical_and(keep, mask)
+    return keep
+
+
+def semantics(xp: Any, q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False,
+              scale: float | None = None) -> Any:
+    hq, hkv = q.shape[1], k.shape[1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    if hq != hkv:
+        k = xp.repeat(k, hq // hkv, axis=1)
+        v = xp.repeat(v, hq // hkv, axis=1)
+    s = xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale
+    keep = keep_matrix(xp, q.shape[2], k.shape[2], causal, mask)
+    if keep is not None:
+        s = xp.where(keep, s, -xp.inf)
+    m = xp.max(s, axis=-1, keepdims=True) if s.shape[-1] else xp.zeros(s.shape[:-1] + (1,), s.dtype)
+    dead = m == -xp.inf
+    m = xp.where(dead, xp.zeros_like(m), m)
+    e = xp.exp(s - m)
+    den = xp.sum(e, axis=-1, keepdims=True)
+    p = xp.where(dead, xp.zeros_like(e), e / xp.where(dead, xp.ones_like(den), den))
+    return xp.matmul(p, v)
+
+
+def _scale(value: object, d: int) -> float:
+    if value is None:
+        return 1.0 / math.sqrt(d) if d else 1.0
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"attention: scale must be a positive finite real number or "
+                                   f"None; got {type(value).__name__} {value!r}.")
+    f = float(value)
+    if not math.isfinite(f) or f <= 0.0:
+        raise InvalidArgumentError(f"attention: scale must be positive and finite; got {f!r}. "
+                                   "Pass None for the default 1/sqrt(D).")
+    return f
+
+
+def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
+    q, k, v, mask = m["q"], m["k"], m["v"], m["mask"]
+    assert q is not None and k is not None and v is not None
+    lay = {"q": "(B, Hq, Sq, D)", "k": "(B, Hkv, Sk, D)", "v": "(B, Hkv, Sk, Dv)"}
+    for name, meta in (("q", q), ("k", k), ("v", v)):
+        need_rank("attention", name, meta.shape, rank=4, layout=lay[name])
+    B, Hq, Sq, D = q.shape
+    Bk, Hkv, Sk, Dk = k.shape
+    Bv, Hv, Skv, Dv = v.shape
+    if Bk != B or Bv != B:
+        raise ShapeError(f"attention: batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}; "
+                         "expected the same B in all three.")
+    if Dk != D:
+        raise ShapeError(f"attention: head dim of k ({Dk}) differs from q ({D}); expected "
+                         f"q (B, Hq, Sq, D) and k (B, Hkv, Sk, D) with equal D.")
+    if (Hv, Skv) != (Hkv, Sk):
+        raise ShapeError(f"attention: v {v.shape} must match k {k.shape} in heads and length; "
+                         "expected v (B, Hkv, Sk, Dv).")
+    if Hkv == 0 or Hq % Hkv:
+        raise ShapeError(f"attention: query heads Hq={Hq} must be a multiple of key/value heads "
+                         f"Hkv={Hkv} (grouped-query attention); got q {q.shape}, k {k.shape}.")
+    causal = params["causal"]
+    if not isinstance(causal, (bool, np.bool_)):
+        raise InvalidArgumentError(f"attention: causal must be True or False; got {causal!r}.")
+    params["causal"] = bool(causal)
+    params["scale"] = _scale(params["scale"], D)
+    target = (B, Hq, Sq, Sk)
+    mstr = [0, 0, 0, 0]
+    if mask is not None:
+        if len(mask.shape) > 4:
+            raise ShapeError(f"attention: mask has rank {len(mask.shape)}; expected at most 4, "
+                             f"broadcastable to (B, Hq, Sq, Sk) = {target}.")
+        try:
+            if tuple(np.broadcast_shapes(mask.shape, target)) != target:
+                raise ValueError
+        except ValueError:
+            raise ShapeError(f"attention: mask of shape {mask.shape} does not broadcast to "
+                             f"(B, Hq, Sq, Sk) = {target}; True = attend.") from None
+        mstr = broadcast_strides(mask.shape, target, 1)
+    out = (B, Hq, Sq, Dv)
+    return Problem("attention", dtype_name(q.dtype),
+                   {"q": q.shape, "k": k.shape, "v": v.shape,
+                    "mask": None if mask is None else mask.shape}, params, out,
+                   derived={"B": B, "Hq": Hq, "Hkv": Hkv, "Sq": Sq, "Sk": Sk, "D": D, "Dv": Dv,
+                            "mask_strides": mstr},
+                   empty_result=(0 in out) or Sk == 0)
+
+
+def effective_bk(p: Problem, cfg: Mapping[str, int]) -> int:
+    """BK capped so that K and V tiles fit LOCAL_BUDGET_BYTES (documented, deterministic)."""
+    width = max(1, p.derived["D"]) + max(1, p.derived["Dv"])
+    esz = p.info.compute.itemsize
+    cap = max(1, LOCAL_BUDGET_BYTES // (width * esz))
+    bk = cfg["BK"]
+    while bk > cap and bk > 1:
+        bk //= 2
+    return bk
+
+
+def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
+    return {"BQ": cfg["BQ"], "BK": effective_bk(p, cfg), "DQ": p.derived["D"],
+            "DV": p.derived["Dv"]}
+
+
+def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
+    d = p.derived
+    nqb = cdiv(d["Sq"], cfg["BQ"])
+    ms = d["mask_strides"]
+    has_mask = p.shapes["mask"] is not None
+    args = (Buf("q"), Buf("k"), Buf("v"), Buf("mask" if has_mask else "q"), Buf("out"),
+            Scalar(d["Sq"]), Scalar(d["Sk"]), Scalar(d["Hq"]), Scalar(d["Hq"] // d["Hkv"]),
+            Scalar(nqb), Scalar(p.params["scale"], "acc"), Scalar(int(p.params["causal"])),
+            Scalar(int(has_mask)), Scalar(ms[0]), Scalar(ms[1]), Scalar(ms[2]), Scalar(ms[3]))
+    return [Launch("attention", (d["B"] * d["Hq"] * nqb, 1, 1), (cfg["BQ"], 1, 1), args)]
+
+
+def cost(p: Problem) -> Cost:
+    d = p.derived
+    pairs = d["Sq"] * d["Sk"]
+    if p.params["causal"]:
+        pairs = sum(min(i + 1, d["Sk"]) for i in range(d["Sq"])) if d["Sq"] < 1 << 16 else pairs / 2
+    bh = d["B"] * d["Hq"]
+    isz = p.info.storage.itemsize
+    nbytes = isz * (bh * d["Sq"] * (d["D"] + d["Dv"]) + d["B"] * d["Hkv"] * d["Sk"] * (d["D"] + d["Dv"]))
+    return Cost(flops=2.0 * bh * pairs * (d["D"] + d["Dv"]), bytes=float(nbytes))
+
+
+def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarray:
+    d = p.derived
+    u = float(np.finfo(p.info.compute).eps) / 2
+    scale = p.params["scale"]
+    g = d["Hq"] // d["Hkv"]
+    q, k, v = x["q"], np.repeat(x["k"], g, axis=1), np.repeat(x["v"], g, axis=1)
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    es = (2.0 * d["D"] * u) * scale * np.matmul(np.abs(q), np.swapaxes(np.abs(k), -1, -2)) \
+        + 2.0 * u * np.abs(s)
+    keep = keep_matrix(np, d["Sq"], d["Sk"], p.params["causal"], x.get("mask"))
+    keep = np.broadcast_to(True if keep is None else keep, s.shape)
+    s = np.where(keep, s, -np.inf)
+    mx = s.max(axis=-1, keepdims=True)
+    dead = mx == -np.inf
+    with np.errstate(invalid="ignore"):
+        e = np.where(keep, np.exp(s - np.where(dead, 0, mx)), 0.0)
+    den = e.sum(axis=-1, keepdims=True)
+    pr = e / np.where(dead, 1.0, den)
+    e_max = np.where(keep, es, 0.0).max(axis=-1, keepdims=True)
+    dist = np.where(keep, np.abs(s - np.where(dead, 0, mx)), 0.0).max(axis=-1, keepdims=True)
+    rel = 2.0 * e_max + u * (2.0 * dist + 3.0 * d["Sk"] + 2.0 * d["Dv"] + 16.0)
+    w = np.matmul(pr, np.abs(v))
+    floor = p.info.subnormal + 4.0 * d["Sk"] * float(np.finfo(p.info.compute).tiny)
+    return w * rel + p.info.unit_roundoff * np.abs(ref) + floor
+
+
+SPEC = KernelSpec(
+    name="attention",
+    operands=(Operand("q"), Operand("k"), Operand("v"), Operand("mask", kind="bool", optional=True)),
+    params={"causal": False, "scale": None},
+    validate=validate,
+    semantics=semantics,
+    source=kernel_source("attention.c"),
+    slots=lambda p: {"T": p.dtype},
+    defines=defines,
+    launches=launches,
+    cost=cost,
+    tolerance=tolerance,
+    tunables=(Tunable("BQ", (1, 2, 4, 8, 16, 32, 64, 128, 256), "queries per work-group"),
+              Tunable("BK", (1, 2, 4, 8, 16, 32, 64, 128), "keys per local-memory tile")),
+    schedules={"gpu": {"BQ": 64, "BK": 32}, "cpu": {"BQ": 16, "BK": 32}},
+    doc="Fused attention with online softmax; GQA, causal and boolean masks.",
+)

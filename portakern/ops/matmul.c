@@ -1,0 +1,89 @@
+/* C[z] = A[z] @ B[z]; A (M,K), B (K,N), C (M,N), row-major, one dtype slot T.
+ *
+ * Each work-item owns a TM x TN block of C in registers; a work-group of LX x LY items owns a
+ * (LY*TM) x (LX*TN) tile. Rows and columns are interleaved (row = ty + i*LY, col = tx + j*LX)
+ * so neighbouring items touch neighbouring addresses: coalesced on GPUs, and vectorisable
+ * across items on CPU OpenCL runtimes (PoCL packs work-items into SIMD lanes).
+ * USE_LOCAL=1 (GPU schedule) stages TK-deep slices of A and B through local/shared memory;
+ * USE_LOCAL=0 (CPU schedule) reads global memory directly and relies on the caches.
+ * Batch: group id 2 indexes up to two collapsed batch dims (z0, z1) with per-operand strides
+ * (0 for broadcast dims); the host loops over any further dims through the *_off arguments.
+ */
+#define BM (LY * TM)
+#define BN (LX * TN)
+
+PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
+                      PK_GLOBAL const PK_T_T* PK_RESTRICT B,
+                      PK_GLOBAL PK_T_T* PK_RESTRICT C,
+                      int M, int N, int K, int nb1,
+                      int sa0, int sa1, int sb0, int sb1, int sc0, int sc1,
+                      int a_off, int b_off, int c_off)
+{
+    const int tx = PK_LOCAL_ID(0);
+    const int ty = PK_LOCAL_ID(1);
+    const int row0 = PK_GROUP_ID(1) * BM;
+    const int col0 = PK_GROUP_ID(0) * BN;
+    const int z = PK_GROUP_ID(2);
+    const int z0 = z / nb1;
+    const int z1 = z - z0 * nb1;
+    const int ao = a_off + z0 * sa0 + z1 * sa1;
+    const int bo = b_off + z0 * sb0 + z1 * sb1;
+    const int co = c_off + z0 * sc0 + z1 * sc1;
+
+    PK_ACC_T acc[TM][TN];
+    for (int i = 0; i < TM; ++i)
+        for (int j = 0; j < TN; ++j)
+            acc[i][j] = (PK_ACC_T)0;
+
+#if USE_LOCAL
+    PK_LOCAL PK_ACC_T As[TK][BM + 1];
+    PK_LOCAL PK_ACC_T Bs[TK][BN];
+    const int tid = ty * LX + tx;
+    for (int k0 = 0; k0 < K; k0 += TK) {
+        for (int idx = tid; idx < BM * TK; idx += LX * LY) {
+            const int r = idx / TK, kk = idx - (idx / TK) * TK;
+            const int gr = row0 + r, gk = k0 + kk;
+            As[kk][r] = (gr < M && gk < K) ? PK_LOAD_T(A, ao + gr * K + gk) : (PK_ACC_T)0;
+        }
+        for (int idx = tid; idx < BN * TK; idx += LX * LY) {
+            const int kk = idx / BN, c = idx - (idx / BN) * BN;
+            const int gk = k0 + kk, gc = col0 + c;
+            Bs[kk][c] = (gk < K && gc < N) ? PK_LOAD_T(B, bo + gk * N + gc) : (PK_ACC_T)0;
+        }
+        PK_BARRIER();
+        for (int kk = 0; kk < TK; ++kk) {
+            PK_ACC_T b[TN];
+            for (int j = 0; j < TN; ++j) b[j] = Bs[kk][tx + j * LX];
+            for (int i = 0; i < TM; ++i) {
+                const PK_ACC_T a = As[kk][ty + i * LY];
+                for (int j = 0; j < TN; ++j) acc[i][j] += a * b[j];
+            }
+        }
+        PK_BARRIER();
+    }
+#else
+    /* Clamp out-of-range rows/columns to a valid address and drop them at the store:
+     * no branch in the inner loop. */
+    int arow[TM];
+    int bcol[TN];
+    for (int i = 0; i < TM; ++i) arow[i] = ao + min(row0 + ty + i * LY, M - 1) * K;
+    for (int j = 0; j < TN; ++j) bcol[j] = bo + min(col0 + tx + j * LX, N - 1);
+    for (int k = 0; k < K; ++k) {
+        PK_ACC_T b[TN];
+        for (int j = 0; j < TN; ++j) b[j] = PK_LOAD_T(B, bcol[j] + k * N);
+        for (int i = 0; i < TM; ++i) {
+            const PK_ACC_T a = PK_LOAD_T(A, arow[i] + k);
+            for (int j = 0; j < TN; ++j) acc[i][j] += a * b[j];
+        }
+    }
+#endif
+
+    for (int i = 0; i < TM; ++i) {
+        const int r = row0 + ty + i * LY;
+        if (r >= M) continue;
+        for (int j = 0; j < TN; ++j) {
+            const int c = col0 + tx + j * LX;
+            if (c < N) PK_STORE_T(C, co + r * N + c, acc[i][j]);
+        }
+    }
+}

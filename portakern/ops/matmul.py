@@ -1,0 +1,138 @@
+"""matmul: (..., M, K) @ (..., K, N) -> (..., M, N), batch dims broadcast as in numpy.
+
+Error analysis (Higham, Accuracy and Stability of Numerical Algorithms, 3.5): a K-term dot
+product accumulated in a format with unit roundoff u satisfies
+|fl(a.b) - a.b| <= gamma_K * |a|.|b|, gamma_K = K u / (1 - K u). Rounding the result to the
+output dtype adds u_out |c|. Inputs are exact in the compute format (fp16/bf16 widen exactly),
+so the bound below is what any correct kernel, in any summation order, with or without FMA,
+must meet; a kernel that accumulates in fp16 or drops a tile breaks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import ShapeError
+from ..spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
+from ._common import (
+    MAX_GRID_YZ,
+    batch_chunks,
+    broadcast_strides,
+    cdiv,
+    collapse_dims,
+    kernel_source,
+    need_rank,
+)
+
+
+def semantics(xp: Any, a: Any, b: Any) -> Any:
+    return xp.matmul(a, b)
+
+
+def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
+    a, b = m["a"], m["b"]
+    assert a is not None and b is not None
+    need_rank("matmul", "a", a.shape, min_rank=2, layout="(..., M, K)")
+    need_rank("matmul", "b", b.shape, min_rank=2, layout="(..., K, N)")
+    M, K = a.shape[-2:]
+    K2, N = b.shape[-2:]
+    if K != K2:
+        raise ShapeError(f"matmul: inner dimensions differ: a is {a.shape} (K={K}) but b is "
+                         f"{b.shape} (K={K2}); expected a[..., M, K] and b[..., K, N].")
+    try:
+        batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    except ValueError:
+        raise ShapeError(f"matmul: batch dims {a.shape[:-2]} and {b.shape[:-2]} do not "
+                         "broadcast; expected equal dims or 1 at each position.") from None
+    out = batch + (M, N)
+    from ..dtypes import dtype_name
+
+    return Problem("matmul", dtype_name(a.dtype), {"a": a.shape, "b": b.shape}, params, out,
+                   derived={"M": M, "N": N, "K": K, "batch": batch},
+                   empty_result=(0 in out) or K == 0)
+
+
+def slots(p: Problem) -> dict[str, Any]:
+    return {"T": p.dtype}
+
+
+def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
+    return dict(cfg)
+
+
+def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
+    M, N, K, batch = (p.derived[k] for k in ("M", "N", "K", "batch"))
+    bm, bn = cfg["LY"] * cfg["TM"], cfg["LX"] * cfg["TN"]
+    gy = cdiv(M, bm)
+    if gy > MAX_GRID_YZ:
+        raise ShapeError(f"matmul: M={M} needs {gy} row tiles of {bm}, more than {MAX_GRID_YZ} "
+                         "work-groups along y; split a along M.")
+    sa = broadcast_strides(p.shapes["a"][:-2], batch, M * K)  # type: ignore[index]
+    sb = broadcast_strides(p.shapes["b"][:-2], batch, K * N)  # type: ignore[index]
+    sc = broadcast_strides(batch, batch, M * N)
+    dims, (sa, sb, sc) = collapse_dims(list(batch), [sa, sb, sc])
+    out = []
+    for off, n0, n1, s0, s1 in batch_chunks(dims, [sa, sb, sc]):
+        args = (Buf("a"), Buf("b"), Buf("out"), Scalar(M), Scalar(N), Scalar(K), Scalar(n1),
+                Scalar(s0[0]), Scalar(s1[0]), Scalar(s0[1]), Scalar(s1[1]),
+                Scalar(s0[2]), Scalar(s1[2]), Scalar(off[0]), Scalar(off[1]), Scalar(off[2]))
+        out.append(Launch("matmul", (cdiv(N, bn), gy, n0 * n1), (cfg["LX"], cfg["LY"], 1), args))
+    return out
+
+
+def cost(p: Problem) -> Cost:
+    M, N, K, batch = (p.derived[k] for k in ("M", "N", "K", "batch"))
+    nb = int(np.prod(batch)) if batch else 1
+    isz = p.info.storage.itemsize
+    na = int(np.prod(p.shapes["a"]))  # type: ignore[arg-type]
+    nbb = int(np.prod(p.shapes["b"]))  # type: ignore[arg-type]
+    return Cost(flops=2.0 * nb * M * N * K, bytes=float(isz * (na + nbb + nb * M * N)))
+
+
+def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarray:
+    K = p.derived["K"]
+    u = float(np.finfo(p.info.compute).eps) / 2
+    gamma = 2.0 * K * u / max(1e-300, 1.0 - K * u)  # factor 2: input-side/summation slack
+    mag = np.matmul(np.abs(x["a"]), np.abs(x["b"]))
+    floor = p.info.subnormal + K * float(np.finfo(p.info.compute).tiny)
+    return gamma * mag + p.info.unit_roundoff * np.abs(ref) + floor
+
+
+def config_check(p: Problem | None, cfg: Mapping[str, int]) -> str | None:
+    if cfg["USE_LOCAL"] and cfg["TK"] * (cfg["LY"] * cfg["TM"] + 1 + cfg["LX"] * cfg["TN"]) > 8192:
+        return "local tiles exceed 8192 elements (32 KiB in fp32); lower TK, TM, TN, LX or LY."
+    return None
+
+
+TUNABLES = (
+    Tunable("TM", (1, 2, 4, 6, 8, 12, 16), "rows of C per work-item (register block)"),
+    Tunable("TN", (1, 2, 4, 8), "columns of C per work-item, strided by LX"),
+    Tunable("LX", (1, 2, 4, 8, 16, 32, 64), "work-group width (columns)"),
+    Tunable("LY", (1, 2, 4, 8, 16, 32), "work-group height (rows)"),
+    Tunable("TK", (1, 4, 8, 16, 32), "depth of the local-memory K slice (USE_LOCAL=1)"),
+    Tunable("USE_LOCAL", (0, 1), "stage tiles through local/shared memory"),
+)
+
+SPEC = KernelSpec(
+    name="matmul",
+    operands=(Operand("a"), Operand("b")),
+    params={},
+    validate=validate,
+    semantics=semantics,
+    source=kernel_source("matmul.c"),
+    slots=slots,
+    defines=defines,
+    launches=launches,
+    cost=cost,
+    tolerance=tolerance,
+    tunables=TUNABLES,
+    schedules={
+        "gpu": {"TM": 4, "TN": 4, "LX": 16, "LY": 16, "TK": 16, "USE_LOCAL": 1},
+        "cpu": {"TM": 8, "TN": 2, "LX": 16, "LY": 1, "TK": 16, "USE_LOCAL": 0},
+    },
+    config_check=config_check,
+    doc="Batched matrix product with float32 (float64 for float64) accumulation.",
+)

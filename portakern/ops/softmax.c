@@ -1,0 +1,56 @@
+/* Y = softmax(X) along one axis. X viewed as (outer, n, inner): element (o, j, i) sits at
+ * (o*n + j)*inner + i, so any axis is a strided row and no transpose is ever made.
+ *
+ * One work-group per row, one read pass for the statistics: each item keeps an online
+ * (running max m, running sum s of exp(x - m)) pair over its strided elements, pairs are
+ * merged by a tree in local memory, then one pass writes exp(x - m) / s. Stable for any offset;
+ * a row of only -inf gives 0 (as a fully masked attention row does); NaN propagates.
+ */
+PK_DEVICE_FN void pk_merge(PK_ACC_T* m, PK_ACC_T* s, PK_ACC_T m2, PK_ACC_T s2)
+{
+    const PK_ACC_T m1 = *m;
+    const PK_ACC_T mx = (m2 > m1 || m2 != m2) ? m2 : m1;
+    if (mx == -PK_INFINITY) { *s = (PK_ACC_T)0; return; }
+    *s = *s * exp(m1 - mx) + s2 * exp(m2 - mx);
+    *m = mx;
+}
+
+PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* PK_RESTRICT Y,
+                       int n, int inner)
+{
+    const int row = PK_GROUP_ID(0);
+    const int lid = PK_LOCAL_ID(0);
+    const int o = row / inner;
+    const int base = o * n * inner + (row - o * inner);
+
+    PK_ACC_T m = -PK_INFINITY, s = (PK_ACC_T)0;
+    for (int j = lid; j < n; j += WG) {
+        const PK_ACC_T x = PK_LOAD_T(X, base + j * inner);
+        const PK_ACC_T mx = (x > m || x != x) ? x : m;
+        if (mx == -PK_INFINITY) continue;
+        s = s * exp(m - mx) + exp(x - mx);
+        m = mx;
+    }
+
+    PK_LOCAL PK_ACC_T lm[WG];
+    PK_LOCAL PK_ACC_T ls[WG];
+    lm[lid] = m;
+    ls[lid] = s;
+    PK_BARRIER();
+    for (int step = WG / 2; step > 0; step >>= 1) {
+        if (lid < step) {
+            PK_ACC_T mm = lm[lid], ss = ls[lid];
+            pk_merge(&mm, &ss, lm[lid + step], ls[lid + step]);
+            lm[lid] = mm;
+            ls[lid] = ss;
+        }
+        PK_BARRIER();
+    }
+    const PK_ACC_T rm = lm[0];
+    const PK_ACC_T inv = (rm == -PK_INFINITY) ? (PK_ACC_T)0 : (PK_ACC_T)1 / ls[0];
+    for (int j = lid; j < n; j += WG) {
+        const PK_ACC_T x = PK_LOAD_T(X, base + j * inner);
+        const PK_ACC_T y = (rm == -PK_INFINITY) ? (PK_ACC_T)0 : exp(x - rm) * inv;
+        PK_STORE_T(Y, base + j * inner, y);
+    }
+}

@@ -1,0 +1,111 @@
+"""softmax(x, axis=-1): exp(x - max) / sum(exp(x - max)) along one axis.
+
+Error analysis. With m the row max and u the compute unit roundoff: computing x_i - m costs
+u|x_i - m| relative error inside exp, exp itself a few ulps, the sum of n positive terms n*u
+relative (Higham 4.2), and each online rescale exp(m_old - m_new) adds |dm|*u + a few ulps;
+the rescales' |dm| add up to at most the row's range. Output rounding adds u_out. Hence the
+bound below, relative to y_i, with an underflow floor for the smallest outputs.
+
+Semantics: a row of only -inf gives 0 (not NaN), like a fully masked attention row; NaN
+anywhere in a row makes the whole row NaN (as numpy's max-subtracted form does).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import dtype_name
+from ..errors import InvalidArgumentError
+from ..spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
+from ._common import kernel_source, need_rank
+
+
+def semantics(xp: Any, x: Any, axis: int = -1) -> Any:
+    m = xp.max(x, axis=axis, keepdims=True)
+    dead = m == -xp.inf
+    m = xp.where(dead, xp.zeros_like(m), m)
+    e = xp.exp(x - m)
+    s = xp.sum(e, axis=axis, keepdims=True)
+    return xp.where(dead, xp.zeros_like(e), e / xp.where(dead, xp.ones_like(s), s))
+
+
+def normalize_axis(axis: object, ndim: int) -> int:
+    if isinstance(axis, bool):
+        raise InvalidArgumentError(f"softmax: axis must be an int; got bool {axis!r}.")
+    try:
+        ax = operator.index(axis)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"softmax: axis must be an int in [-{ndim}, {ndim}); got {type(axis).__name__} "
+            f"{axis!r}.") from None
+    if not -ndim <= ax < ndim:
+        raise InvalidArgumentError(
+            f"softmax: axis {ax} is out of range for an array of rank {ndim}; expected "
+            f"-{ndim} <= axis < {ndim}.")
+    return ax % ndim
+
+
+def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
+    x = m["x"]
+    assert x is not None
+    need_rank("softmax", "x", x.shape, min_rank=1)
+    ax = normalize_axis(params["axis"], len(x.shape))
+    params["axis"] = ax
+    outer = int(np.prod(x.shape[:ax]))
+    inner = int(np.prod(x.shape[ax + 1:]))
+    n = x.shape[ax]
+    return Problem("softmax", dtype_name(x.dtype), {"x": x.shape}, params, x.shape,
+                   derived={"outer": outer, "n": n, "inner": inner},
+                   empty_result=outer * n * inner == 0)
+
+
+def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
+    d = p.derived
+    rows = d["outer"] * d["inner"]
+    return [Launch("softmax", (rows, 1, 1), (cfg["WG"], 1, 1),
+                   (Buf("x"), Buf("out"), Scalar(d["n"]), Scalar(d["inner"])))]
+
+
+def cost(p: Problem) -> Cost:
+    numel = int(np.prod(p.out_shape))
+    return Cost(flops=5.0 * numel, bytes=2.0 * numel * p.info.storage.itemsize)
+
+
+def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarray:
+    xv = x["x"]
+    ax = p.params["axis"]
+    n = p.derived["n"]
+    u = float(np.finfo(p.info.compute).eps) / 2
+    finite = np.isfinite(xv)
+    safe = np.where(finite, xv, np.nan)
+    with np.errstate(all="ignore"):
+        mx = np.nanmax(safe, axis=ax, keepdims=True) if n else safe
+        mn = np.nanmin(safe, axis=ax, keepdims=True) if n else safe
+        rng = np.nan_to_num(mx - mn)
+        dist = np.where(finite, np.abs(xv - np.nan_to_num(mx)), 0.0)
+    rel = u * (2.0 * dist + rng + 6.0 * n + 16.0) + p.info.unit_roundoff
+    floor = p.info.subnormal + 4.0 * float(np.finfo(p.info.compute).tiny)
+    return np.abs(ref) * rel + floor
+
+
+SPEC = KernelSpec(
+    name="softmax",
+    operands=(Operand("x"),),
+    params={"axis": -1},
+    validate=validate,
+    semantics=semantics,
+    source=kernel_source("softmax.c"),
+    slots=lambda p: {"T": p.dtype},
+    defines=lambda p, cfg: dict(cfg),
+    launches=launches,
+    cost=cost,
+    tolerance=tolerance,
+    tunables=(Tunable("WG", (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+                      "work-items per row (a power of two: tree reduction)"),),
+    schedules={"gpu": {"WG": 256}, "cpu": {"WG": 16}},
+    doc="Numerically stable softmax along any axis, fused into one kernel.",
+)

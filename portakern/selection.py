@@ -1,0 +1,125 @@
+"""Which backend runs a call: ``backend=`` > ``with use(...)`` > $PORTAKERN_BACKEND > automatic.
+
+Strict: a backend that is unknown or cannot run raises BackendUnavailable with the reason and
+the fix; there is never a silent fallback. ``use`` is a contextvar, so threads and asyncio
+tasks each see their own choice. Automatic selection prefers an accelerator and can say what
+it picked and why (``explain()``, ``portakern info``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import re
+import threading
+from collections.abc import Iterator
+
+from . import backends as registry
+from .backends.base import Backend
+from .errors import BackendUnavailable, UnknownBackendError
+
+ENV_VAR = "PORTAKERN_BACKEND"
+_SELECTOR = re.compile(r"^([a-z][a-z0-9_]*)(?::([A-Za-z0-9_]+))?$")
+_current: contextvars.ContextVar[str | Backend | None] = contextvars.ContextVar(
+    "portakern_backend", default=None)
+_instances: dict[tuple[str, str | None], Backend] = {}
+_lock = threading.Lock()
+
+
+def parse(text: str, origin: str = "backend") -> tuple[str, str | None]:
+    if not isinstance(text, str):
+        raise UnknownBackendError(f"{origin} must be a string like 'opencl' or 'opencl:0'; got "
+                                  f"{type(text).__name__} {text!r}.")
+    m = _SELECTOR.match(text.strip())
+    if not m:
+        raise UnknownBackendError(
+            f"{origin} {text!r} is malformed; expected NAME or NAME:DEVICE, e.g. 'opencl', "
+            f"'opencl:1', 'jax:cpu'. Registered backends: {', '.join(registry.names())}.")
+    name, dev = m.group(1), m.group(2)
+    if name not in registry.names():
+        raise UnknownBackendError(f"{origin} {text!r} names no registered backend; expected one "
+                                  f"of {', '.join(registry.names())}.")
+    return name, dev
+
+
+def get(text: str, origin: str = "backend") -> Backend:
+    """The backend instance for 'name[:device]', created once and reused (thread-safe)."""
+    name, dev = parse(text, origin)
+    key = (name, dev)
+    inst = _instances.get(key)
+    if inst is not None:
+        return inst
+    with _lock:
+        inst = _instances.get(key)
+        if inst is None:
+            cls = registry.load(name)
+            if not isinstance(cls, type):
+                raise BackendUnavailable(f"backend {name!r} cannot run here: {cls.reason}. "
+                                         f"Fix: {cls.fix}.")
+            av = cls.probe()
+            if not av.available:
+                raise BackendUnavailable(f"backend {name!r} cannot run here: {av.reason}. "
+                                         f"Fix: {av.fix}.")
+            inst = cls(dev)
+            _instances[key] = inst
+    return inst
+
+
+def automatic() -> tuple[str, str]:
+    """(selector, why) of the best usable backend: highest score across backends."""
+    best: tuple[int, str, str] | None = None
+    for name in registry.names():
+        cls = registry.load(name)
+        if not isinstance(cls, type):
+            continue
+        try:
+            choices = cls.auto_choices()
+        except Exception:
+            continue
+        for c in choices:
+            if best is None or c[0] > best[0]:
+                best = c
+    if best is None:  # pragma: no cover - numpy is always there
+        raise BackendUnavailable("no backend is usable; reinstall portakern")
+    return best[1], best[2]
+
+
+def resolve(backend: str | Backend | None = None) -> Backend:
+    if isinstance(backend, Backend):
+        return backend
+    if backend is not None:
+        return get(backend, "backend=")
+    cur = _current.get()
+    if cur is not None:
+        return cur if isinstance(cur, Backend) else get(cur, "portakern.use(...)")
+    env = os.environ.get(ENV_VAR)
+    if env is not None and env.strip():
+        return get(env, f"${ENV_VAR}")
+    sel, _ = automatic()
+    return get(sel)
+
+
+def explain(backend: str | None = None) -> str:
+    """One line saying which backend a call would use and why."""
+    if backend is not None:
+        return f"{resolve(backend).describe()}: given as backend="
+    cur = _current.get()
+    if cur is not None:
+        return f"{resolve().describe()}: set by portakern.use({cur!r})"
+    env = os.environ.get(ENV_VAR)
+    if env is not None and env.strip():
+        return f"{resolve().describe()}: set by ${ENV_VAR}={env}"
+    sel, why = automatic()
+    return f"{get(sel).describe()}: automatic choice — {why}"
+
+
+@contextlib.contextmanager
+def use(backend: str | Backend) -> Iterator[Backend]:
+    """Select a backend for the calls in this block (this thread / task only)."""
+    inst = resolve(backend)  # fail now, at the with-statement, if it cannot run
+    token = _current.set(inst)
+    try:
+        yield inst
+    finally:
+        _current.reset(token)

@@ -1,0 +1,259 @@
+"""KernelSpec: the one definition of an op that every backend, test and benchmark reads.
+
+A spec is data plus a few pure functions of the *problem* (shapes, dtype, parameters) — never
+of a backend. Backends read ``source``/``slots``/``defines``/``launches`` (C-kernel backends) or
+``semantics`` (array-library backends); tests read ``semantics`` and ``tolerance``; the
+benchmark reads ``cost``. Validation runs on metadata only (shape, dtype), so it is the same
+for numpy arrays, CuPy arrays, PyOpenCL arrays and jax Arrays, and happens before any backend
+is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .errors import (
+    DTypeError,
+    InvalidArgumentError,
+    NotAnArrayError,
+    ShapeError,
+    SpecError,
+)
+
+# 32-bit index arithmetic is used inside kernels: any operand or output beyond this is refused
+# from its shape alone, before anything is allocated.
+MAX_INDEX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Tunable:
+    """A compile-time parameter with a finite domain; becomes ``#define NAME value``."""
+
+    name: str
+    domain: tuple[int, ...]
+    doc: str = ""
+
+    def check(self, value: object, spec: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+                or int(value) not in self.domain:
+            raise InvalidArgumentError(
+                f"{spec}: tunable {self.name}={value!r} is outside its domain {self.domain}; "
+                f"pick one of those values.")
+        return int(value)
+
+
+@dataclass(frozen=True)
+class Operand:
+    """An array operand. kind 'float' shares the op's dtype; 'bool' is a boolean mask."""
+
+    name: str
+    kind: str = "float"
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class ArrayMeta:
+    shape: tuple[int, ...]
+    dtype: np.dtype | str
+
+
+@dataclass(frozen=True)
+class Buf:
+    """Kernel argument: the device buffer of operand/output ``name``."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """Kernel argument: a scalar. ctype 'int' (32-bit) or 'acc' (the compute float type)."""
+
+    value: float | int
+    ctype: str = "int"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: entry point, number of work-groups per dim, work-group size, args."""
+
+    kernel: str
+    groups: tuple[int, int, int]
+    local: tuple[int, int, int]
+    args: tuple[Buf | Scalar, ...]
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: float
+    bytes: float  # compulsory main-memory traffic: inputs read once, outputs written once
+
+
+@dataclass
+class Problem:
+    """A validated call: everything a backend needs, nothing about which backend runs it."""
+
+    op: str
+    dtype: str  # canonical float dtype name of the float operands and output
+    shapes: dict[str, tuple[int, ...] | None]
+    params: dict[str, Any]
+    out_shape: tuple[int, ...]
+    derived: dict[str, Any] = field(default_factory=dict)  # op-specific sizes (M, N, K, ...)
+    empty_result: bool = False  # True: the answer is all zeros (or empty) with no kernel needed
+
+    @property
+    def info(self) -> dtypes.DTypeInfo:
+        return dtypes.info(self.dtype)
+
+
+def array_meta(name: str, x: object, spec: str) -> ArrayMeta:
+    """Shape and dtype of anything array-like that a backend could own; refuse the rest."""
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is None or dtype is None or isinstance(x, (list, tuple)):
+        raise NotAnArrayError(
+            f"{spec}: argument {name!r} must be an array (numpy, cupy, pyopencl or jax); got "
+            f"{type(x).__name__}. Wrap it with np.asarray(...).")
+    try:
+        shp = tuple(int(s) for s in shape)
+    except TypeError:
+        raise NotAnArrayError(f"{spec}: argument {name!r} has a non-integer shape {shape!r}; "
+                              "expected an array with a concrete shape.") from None
+    return ArrayMeta(shp, dtype)
+
+
+def check_index_range(spec: str, what: str, shape: Sequence[int]) -> None:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    if n > MAX_INDEX:
+        raise ShapeError(
+            f"{spec}: {what} of shape {tuple(shape)} has {n} elements, more than the {MAX_INDEX} "
+            "that 32-bit kernel indexing addresses; split the call into smaller pieces.")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """The single source of truth of an op. See README 'Add a kernel' for each field."""
+
+    name: str
+    operands: tuple[Operand, ...]
+    params: Mapping[str, Any]  # keyword parameters and their defaults
+    validate: Callable[[dict[str, ArrayMeta | None], dict[str, Any]], Problem]
+    semantics: Callable[..., Any]  # semantics(xp, *arrays, **params) in the compute dtype
+    source: str  # portable C kernel in portakern's macro dialect
+    slots: Callable[[Problem], dict[str, Any]]  # dtype slot -> dtype
+    defines: Callable[[Problem, Mapping[str, int]], dict[str, Any]]
+    launches: Callable[[Problem, Mapping[str, int]], list[Launch]]
+    cost: Callable[[Problem], Cost]
+    tolerance: Callable[[Problem, dict[str, np.ndarray], np.ndarray], np.ndarray]
+    tunables: tuple[Tunable, ...] = ()
+    schedules: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # 'cpu' / 'gpu'
+    config_check: Callable[[Problem | None, Mapping[str, int]], str | None] | None = None
+    pallas: Any = None  # optional: builds a Pallas kernel (see backends/jax.py)
+    doc: str = ""
+
+    # --- validation ---------------------------------------------------------------------
+    def bind(self, args: Sequence[object], kwargs: Mapping[str, Any]
+             ) -> tuple[dict[str, object], dict[str, Any]]:
+        """Split a call into operand arrays (by name) and parameters (defaults filled)."""
+        names = [o.name for o in self.operands]
+        arrays: dict[str, object] = {}
+        if len(args) > len(names):
+            raise InvalidArgumentError(
+                f"{self.name}() takes {len(names)} array arguments ({', '.join(names)}); "
+                f"got {len(args)}.")
+        for n, a in zip(names, args):
+            arrays[n] = a
+        params = dict(self.params)
+        for k, v in kwargs.items():
+            if k in names:
+                if k in arrays:
+                    raise InvalidArgumentError(f"{self.name}(): {k!r} given twice.")
+                arrays[k] = v
+            elif k in params:
+                params[k] = v
+            else:
+                raise InvalidArgumentError(
+                    f"{self.name}() got an unexpected argument {k!r}; expected operands "
+                    f"{names} and parameters {sorted(self.params)}.")
+        for o in self.operands:
+            if o.name not in arrays:
+                if not o.optional:
+                    raise InvalidArgumentError(f"{self.name}() is missing the array {o.name!r}.")
+                arrays[o.name] = None
+            elif arrays[o.name] is None and not o.optional:
+                raise NotAnArrayError(f"{self.name}: argument {o.name!r} must be an array; got None.")
+        return arrays, params
+
+    def problem(self, arrays: Mapping[str, object], params: Mapping[str, Any]) -> Problem:
+        """Validate metadata and build the Problem. Raises before any backend is touched."""
+        metas: dict[str, ArrayMeta | None] = {}
+        float_names: list[str] = []
+        for o in self.operands:
+            x = arrays.get(o.name)
+            if x is None:
+                metas[o.name] = None
+                continue
+            m = array_meta(o.name, x, self.name)
+            metas[o.name] = m
+            check_index_range(self.name, f"operand {o.name!r}", m.shape)
+            name = dtypes.dtype_name(m.dtype)
+            if o.kind == "bool":
+                if name != "bool":
+                    raise DTypeError(f"{self.name}: {o.name!r} must be a boolean array (True = "
+                                     f"keep); got dtype {name}. Use x.astype(bool).")
+            else:
+                dtypes.info(m.dtype)
+                float_names.append(o.name)
+        got = {dtypes.dtype_name(metas[n].dtype) for n in float_names}  # type: ignore[union-attr]
+        if len(got) > 1:
+            listing = ", ".join(f"{n}={dtypes.dtype_name(metas[n].dtype)}"  # type: ignore[union-attr]
+                                for n in float_names)
+            raise DTypeError(f"{self.name}: mixed input dtypes ({listing}); expected one dtype "
+                             "for all float operands. Cast explicitly; portakern never promotes.")
+        prob = self.validate(metas, dict(params))
+        check_index_range(self.name, "the output", prob.out_shape)
+        return prob
+
+    # --- tunables -----------------------------------------------------------------------
+    def config(self, device_class: str, overrides: Mapping[str, object] | None = None,
+               problem: Problem | None = None) -> dict[str, int]:
+        """Default schedule for a device class ('cpu' or 'gpu'), overridden and validated."""
+        base = dict(self.schedules.get(device_class) or self.schedules.get("gpu") or {})
+        if overrides:
+            base.update(overrides)  # type: ignore[arg-type]
+        known = {t.name: t for t in self.tunables}
+        unknown = set(base) - set(known)
+        if unknown:
+            raise InvalidArgumentError(f"{self.name}: unknown tunables {sorted(unknown)}; "
+                                       f"this op declares {sorted(known)}.")
+        missing = set(known) - set(base)
+        if missing:
+            raise SpecError(f"spec {self.name!r}: schedule {device_class!r} lacks tunables "
+                            f"{sorted(missing)}; give every tunable a default.")
+        cfg = {k: known[k].check(v, self.name) for k, v in base.items()}
+        if self.config_check is not None:
+            why = self.config_check(problem, cfg)
+            if why:
+                raise InvalidArgumentError(f"{self.name}: configuration {cfg} is invalid: {why}")
+        return cfg
+
+    def replace(self, **changes: Any) -> KernelSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def reject_unsupported(spec: str, dtype_name: str, supported: Sequence[str], device: str) -> None:
+    from .errors import UnsupportedDTypeError
+
+    if dtype_name not in supported:
+        fix = ("choose a device with fp64 support (cl_khr_fp64 / CUDA) or use float32"
+               if dtype_name == "float64" else "cast to a supported dtype")
+        raise UnsupportedDTypeError(
+            f"{spec}: dtype {dtype_name} cannot run on {device}; it supports "
+            f"{', '.join(supported)}. Fix: {fix}.")
