@@ -7,7 +7,10 @@ and every other backend keeps working. This module is the only place that names 
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
+import types
+from typing import Any
 from importlib import metadata
 
 from .base import Availability, Backend
@@ -77,3 +80,18 @@ def load(name: str) -> type[Backend] | Availability:
 def availability(name: str) -> Availability:
     got = load(name)
     return got if isinstance(got, Availability) else got.probe()
+
+
+def report() -> dict[str, dict[str, Any]]:
+    """Every registered backend: available?, devices, versions, or why not and how to fix."""
+    return {name: availability(name).as_dict() for name in names()}
+
+
+class _CallableModule(types.ModuleType):
+    """``portakern.backends`` is this registry *and* callable: ``pk.backends()`` == report()."""
+
+    def __call__(self) -> dict[str, dict[str, Any]]:
+        return report()
+
+
+sys.modules[__name__].__class__ = _CallableModule

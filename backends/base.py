@@ -80,6 +80,9 @@ class Backend:
     name: ClassVar[str] = ""
     dialect: ClassVar[str | None] = None  # C dialect for KernelBackend subclasses
     install_hint: ClassVar[str] = ""
+    # top-level modules whose array types this backend owns (automatic selection follows the
+    # inputs: jax arrays go to jax, cupy arrays to cuda, pyopencl arrays to opencl)
+    array_modules: ClassVar[tuple[str, ...]] = ()
     _probe_cache: ClassVar[dict[type, Availability]] = {}
 
     # --- probing --------------------------------------------------------------------------
@@ -104,6 +107,12 @@ class Backend:
     def auto_choices(cls) -> list[tuple[int, str, str]]:
         """(score, selector, why) for automatic selection; higher score wins. Default: none."""
         return []
+
+    @classmethod
+    def test_targets(cls) -> list[str]:
+        """Selectors the shared test suite runs on: by default every device of the backend."""
+        av = cls.probe()
+        return [f"{cls.name}:{d.index}" for d in av.devices] if av.available else []
 
     # --- instance: one device ------------------------------------------------------------
     def __init__(self, selector: str | None = None) -> None:

@@ -55,6 +55,7 @@ def _all_devices() -> list[tuple[Any, Any]]:
 class OpenCLBackend(KernelBackend):
     name = "opencl"
     dialect = "opencl"
+    array_modules = ("pyopencl",)
     install_hint = ("pip install 'portakern[opencl]' and an OpenCL driver: "
                     "apt-get install pocl-opencl-icd (CPU) or your GPU vendor's ICD")
 

@@ -16,7 +16,8 @@ from .errors import (
     UnknownBackendError,
     UnsupportedDTypeError,
 )
-from .info import backends, to_backend
+from . import backends  # the registry; calling it lists every backend
+from .info import to_backend
 from .ops import register_op
 from .selection import explain, use
 from .spec import Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable

@@ -20,7 +20,7 @@ def call(op: str | KernelSpec, *args: Any, backend: str | Backend | None = None,
     spec = op if isinstance(op, KernelSpec) else get_op(op)
     arrays, params = spec.bind(args, kwargs)
     prob = spec.problem(arrays, params)  # validation happens before any backend is touched
-    be = selection.resolve(backend)
+    be = selection.resolve(backend, arrays.values())
     return be.run(spec, prob, arrays, config)
 
 

@@ -1,4 +1,4 @@
-"""What is installed and usable: pk.backends(), and moving arrays between backends."""
+"""Moving arrays between backends (``pk.backends()`` itself is the registry module, callable)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from . import backends as registry
 from . import selection
 from .backends.base import Backend
-
-
-def backends() -> dict[str, dict[str, Any]]:
-    """Every registered backend: available?, devices, versions, or why not and how to fix."""
-    return {name: registry.availability(name).as_dict() for name in registry.names()}
 
 
 def to_backend(x: Any, backend: str | Backend) -> Any:

@@ -67,7 +67,10 @@ def get(text: str, origin: str = "backend") -> Backend:
 
 
 def automatic() -> tuple[str, str]:
-    """(selector, why) of the best usable backend: highest score across backends."""
+    """(selector, why) of the best usable backend: highest score across backends.
+
+    Called with inputs, ``resolve`` first follows them: device arrays of a backend run there.
+    """
     best: tuple[int, str, str] | None = None
     for name in registry.names():
         cls = registry.load(name)
@@ -85,7 +88,22 @@ def automatic() -> tuple[str, str]:
     return best[1], best[2]
 
 
-def resolve(backend: str | Backend | None = None) -> Backend:
+def owner_of(arrays: object) -> str | None:
+    """The backend whose native array type appears among the inputs, if any (by module)."""
+    if not arrays:
+        return None
+    mods = {type(x).__module__.split(".")[0] for x in arrays if x is not None}  # type: ignore[union-attr]
+    mods.discard("numpy")
+    if not mods:
+        return None
+    for name in registry.names():
+        cls = registry.load(name)
+        if isinstance(cls, type) and mods & set(cls.array_modules):
+            return name
+    return None
+
+
+def resolve(backend: str | Backend | None = None, arrays: object = None) -> Backend:
     if isinstance(backend, Backend):
         return backend
     if backend is not None:
@@ -96,6 +114,9 @@ def resolve(backend: str | Backend | None = None) -> Backend:
     env = os.environ.get(ENV_VAR)
     if env is not None and env.strip():
         return get(env, f"${ENV_VAR}")
+    owner = owner_of(arrays)
+    if owner is not None:
+        return get(owner)
     sel, _ = automatic()
     return get(sel)
 

@@ -1,0 +1,199 @@
+"""Test cases that break kernels and numerics, drawn from one source for pytest and `check`.
+
+Shapes come from lists chosen to hit edges: 1, primes, tile sizes +- 1 (the default
+schedules tile by 8, 16, 32 and 64), tall-skinny, odd head dims (40, 59, 80, 111). Values
+include large offsets, -inf entries, fully masked rows and fp16's range. A ``Chooser``
+abstracts where randomness comes from: hypothesis' ``data.draw`` in the test suite (so
+failures shrink) or a seeded numpy Generator in ``portakern check``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+
+EDGE_SIZES = (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129)
+HEAD_DIMS = (1, 8, 16, 40, 59, 64, 80, 111, 128)
+
+
+class Chooser:
+    """Draws primitive choices; subclasses wrap hypothesis or numpy."""
+
+    def choice(self, options: Sequence[Any]) -> Any:
+        raise NotImplementedError
+
+    def boolean(self, p: float = 0.5) -> bool:
+        raise NotImplementedError
+
+    def seed(self) -> int:
+        raise NotImplementedError
+
+
+class NumpyChooser(Chooser):
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+
+    def choice(self, options: Sequence[Any]) -> Any:
+        return options[int(self.rng.integers(len(options)))]
+
+    def boolean(self, p: float = 0.5) -> bool:
+        return bool(self.rng.random() < p)
+
+    def seed(self) -> int:
+        return int(self.rng.integers(2**31))
+
+
+@dataclass
+class Case:
+    """One call: operand arrays (storage dtype), keyword params, and a readable description."""
+
+    arrays: dict[str, np.ndarray | None]
+    params: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+    def describe(self) -> str:
+        shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in self.arrays.items() if v is not None)
+        extra = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{shapes}{'; ' + extra if extra else ''}{' [' + self.note + ']' if self.note else ''}"
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, scale: float = 1.0,
+            offset: float = 0.0) -> np.ndarray:
+    x = rng.standard_normal(shape) * scale + offset
+    big = float(np.finfo(np.float16).max if dtype == "float16" else 1e300)
+    return dtypes.cast_to(np.clip(x, -big, big), dtype)  # near the range, never past it
+
+
+def _batch_pair(ch: Chooser) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    full = ch.choice(((), (1,), (3,), (2, 3), (2, 1, 3)))
+    def variant() -> tuple[int, ...]:
+        dims = list(full)
+        if dims and ch.boolean(0.3):
+            dims = dims[ch.choice(range(len(dims) + 1)):]  # drop leading dims
+        return tuple(1 if ch.boolean(0.25) else d for d in dims)
+    return variant(), variant()
+
+
+def matmul_case(ch: Chooser, dtype: str) -> Case:
+    rng = np.random.default_rng(ch.seed())
+    shape_kind = ch.choice(("edge", "edge", "edge", "tall", "wide", "deep"))
+    if shape_kind == "tall":
+        m, k, n = ch.choice((257, 1000)), ch.choice((1, 3, 5)), ch.choice((1, 3, 17))
+    elif shape_kind == "wide":
+        m, k, n = ch.choice((1, 3)), ch.choice((5, 17)), ch.choice((513, 1000))
+    elif shape_kind == "deep":
+        m, k, n = ch.choice((2, 9)), ch.choice((700, 2049)), ch.choice((2, 33))
+    else:
+        m, k, n = ch.choice(EDGE_SIZES), ch.choice(EDGE_SIZES), ch.choice(EDGE_SIZES)
+    ba, bb = _batch_pair(ch) if ch.boolean(0.4) else ((), ())
+    scale = ch.choice((1.0, 1e-3, 30.0)) if dtype != "float16" else ch.choice((1.0, 1e-2, 4.0))
+    a = _normal(rng, ba + (m, k), dtype, scale)
+    b = _normal(rng, bb + (k, n), dtype)
+    return Case({"a": a, "b": b}, {}, shape_kind)
+
+
+def softmax_case(ch: Chooser, dtype: str) -> Case:
+    rng = np.random.default_rng(ch.seed())
+    n = ch.choice((1, 2, 15, 16, 17, 255, 256, 257, 1000, 4097))
+    rank = ch.choice((1, 2, 2, 3))
+    others = [ch.choice((1, 2, 3, 7, 16)) for _ in range(rank - 1)]
+    axis_pos = ch.choice(range(rank))
+    shape = others[:axis_pos] + [n] + others[axis_pos:]
+    axis = axis_pos - rank if ch.boolean() else axis_pos
+    kind = ch.choice(("normal", "offset", "wide", "neginf", "range"))
+    scale, offset = 1.0, 0.0
+    if kind == "offset":
+        offset = ch.choice((1e4, -1e4, 300.0))
+    elif kind == "wide":
+        scale = ch.choice((10.0, 100.0))
+    elif kind == "range":
+        scale = {"float16": 2e4, "bfloat16": 1e30, "float32": 1e30, "float64": 1e200}[dtype]
+    x = _normal(rng, tuple(shape), dtype, scale, offset)
+    if kind == "neginf":
+        x = x.copy()
+        x[rng.random(x.shape) < 0.2] = -np.inf
+        if x.size and ch.boolean():
+            idx = [slice(None)] * rank
+            for d in range(rank):
+                if d != axis_pos:
+                    idx[d] = 0  # type: ignore[call-overload]
+            x[tuple(idx)] = -np.inf  # one fully -inf row -> zeros
+    return Case({"x": x}, {"axis": axis}, kind)
+
+
+def attention_case(ch: Chooser, dtype: str) -> Case:
+    rng = np.random.default_rng(ch.seed())
+    b = ch.choice((1, 2))
+    hkv = ch.choice((1, 2))
+    hq = hkv * ch.choice((1, 2, 3))
+    sq = ch.choice((1, 2, 15, 16, 17, 31, 33, 64, 65, 100))
+    sk = sq if ch.boolean(0.3) else ch.choice((1, 2, 16, 17, 32, 33, 65, 100))
+    d = ch.choice(HEAD_DIMS)
+    dv = d if ch.boolean(0.7) else ch.choice((16, 40))
+    causal = ch.boolean(0.4)
+    scale = None if ch.boolean(0.6) else ch.choice((0.05, 0.5, 2.0))
+    q = _normal(rng, (b, hq, sq, d), dtype)
+    k = _normal(rng, (b, hkv, sk, d), dtype)
+    v = _normal(rng, (b, hkv, sk, dv), dtype)
+    mask = None
+    note = "causal" if causal else ""
+    if ch.boolean(0.4):
+        mshape = ch.choice(((sq, sk), (b, 1, sq, sk), (1, hq, 1, sk), (b, hq, sq, sk)))
+        mask = rng.random(mshape) < 0.7
+        if ch.boolean(0.5) and len(mshape) >= 2 and mshape[-2] == sq:
+            mask[..., 0, :] = False  # a fully masked row must give 0
+        note += " mask" + str(mshape)
+    return Case({"q": q, "k": k, "v": v, "mask": mask}, {"causal": causal, "scale": scale},
+                note.strip())
+
+
+CASES: dict[str, Callable[[Chooser, str], Case]] = {
+    "matmul": matmul_case,
+    "softmax": softmax_case,
+    "attention": attention_case,
+}
+
+
+def register_cases(op: str, fn: Callable[[Chooser, str], Case]) -> None:
+    """Give a user-defined op its own case generator (else the spec's `cases` field is used)."""
+    CASES[op] = fn
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    worst_ratio: float  # max over elements of |got - ref| / bound (<= 1 passes)
+    where: str = ""
+
+
+def compare(spec: Any, case: Case, got: Any) -> Verdict:
+    """Check a backend's output against the float64 oracle under the op's tolerance rule."""
+    arrays, params = spec.bind((), {k: v for k, v in case.arrays.items()} | case.params)
+    prob = spec.problem(arrays, params)
+    x64 = {k: (v if v is None or v.dtype == bool else v.astype(np.float64))
+           for k, v in case.arrays.items()}
+    args = [x64[o.name] for o in spec.operands]
+    with np.errstate(all="ignore"):
+        ref = np.asarray(spec.semantics(np, *args, **prob.params), dtype=np.float64)
+        got64 = np.asarray(got).astype(np.float64)
+        if got64.shape != ref.shape:
+            return Verdict(False, float("inf"), f"shape {got64.shape} != expected {ref.shape}")
+        if ref.size == 0:
+            return Verdict(True, 0.0)
+        bound = spec.tolerance(prob, {k: v for k, v in x64.items() if v is not None}, ref)
+        err = np.abs(got64 - ref)
+        both_nan = np.isnan(got64) & np.isnan(ref)
+        same_inf = np.isinf(ref) & (got64 == ref)
+        err = np.where(both_nan | same_inf, 0.0, err)
+        err = np.where(np.isnan(err), np.inf, err)
+        ratio = err / np.maximum(bound, 1e-300)
+    worst = float(ratio.max())
+    idx = np.unravel_index(int(ratio.argmax()), ratio.shape)
+    where = (f"at {tuple(int(i) for i in idx)}: got {got64[idx]!r}, expected {ref[idx]!r}, "
+             f"bound {float(bound[idx]) if np.ndim(bound) else float(bound)!r}")
+    return Verdict(bool(worst <= 1.0), worst, where)

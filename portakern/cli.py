@@ -1,0 +1,121 @@
+"""The ``portakern`` command: info | show | check | bench | report | tune.
+
+Each subcommand lives in the module that owns its job; this file only wires arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _info(args: argparse.Namespace) -> int:
+    from . import backends as registry
+    from . import selection
+
+    report = {}
+    for name in registry.names():
+        av = registry.availability(name)
+        report[name] = av.as_dict()
+        if args.json:
+            continue
+        state = "available" if av.available else "unavailable"
+        vers = ", ".join(f"{k} {v}" for k, v in av.versions.items())
+        print(f"{name:8s} {state}{'  (' + vers + ')' if vers else ''}")
+        if not av.available:
+            print(f"         why: {av.reason}")
+            print(f"         fix: {av.fix}")
+        for d in av.devices:
+            print(f"         {name}:{d.index}  {d.kind:5s} {d.name}  [{d.vendor} {d.driver}]"
+                  f"{'' if d.fp64 else '  (no fp64)'}")
+        for k, v in sorted((av.devices[0].extra if av.devices else {}).items()):
+            if k == "tuned":
+                print(f"         tuned: {v}")
+    try:
+        choice = selection.explain()
+    except Exception as exc:  # report, don't crash: info is what users run when things break
+        choice = f"no usable backend ({exc})"
+    if args.json:
+        print(json.dumps({"backends": report, "automatic": choice}, indent=2, default=str))
+    else:
+        print(f"\nautomatic selection: {choice}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from .show import show
+
+    print(show(args.op, args.backend, dtype=args.dtype, shape=args.shape))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    if args.compile_only:
+        from .compile_check import main as compile_main
+
+        return compile_main(args)
+    from .conformance import main as conformance_main
+
+    return conformance_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="portakern", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("info", help="backends, devices, versions; why a backend is unavailable")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(fn=_info)
+
+    s = sub.add_parser("show", help="print an op's kernel rendered for a backend's dialect")
+    s.add_argument("op")
+    s.add_argument("--backend", default="opencl", help="opencl, cuda or hip (dialect or backend)")
+    s.add_argument("--dtype", default="float32")
+    s.add_argument("--shape", default=None,
+                   help="representative problem, e.g. 'B=1,H=8,S=128,D=64' (op-specific)")
+    s.set_defaults(fn=_show)
+
+    s = sub.add_parser("check", help="conformance run: the shared properties on each backend")
+    s.add_argument("--backend", action="append", default=None,
+                   help="backend selector (repeatable); default: every available target")
+    s.add_argument("--ops", default=None, help="comma-separated ops (default: all registered)")
+    s.add_argument("--dtypes", default=None, help="comma-separated dtypes (default: all)")
+    s.add_argument("--examples", type=int, default=25, help="random cases per op x dtype")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default=None, help="write the result file (JSON) here")
+    s.add_argument("--compile-only", action="store_true",
+                   help="compile every op x dtype x schedule for the backend's dialect without "
+                        "running (CUDA via NVRTC for several architectures; no GPU needed)")
+    s.add_argument("--arch", action="append", default=None,
+                   help="with --compile-only: CUDA virtual architectures (default 70, 80, 90)")
+    s.set_defaults(fn=_check)
+
+    try:
+        from .bench.cli import add_bench_parser, add_report_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+        add_report_parser(sub)
+    try:
+        from .tune import add_tune_parser
+    except ImportError:
+        pass
+    else:
+        add_tune_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Helpers the test files share: run a case on a target and check it against the oracle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import note
+from hypothesis import strategies as st
+
+import portakern as pk
+from portakern import selection
+from portakern.cases import CASES, Case, Chooser, compare
+from portakern.ops import get_op
+
+
+class HypothesisChooser(Chooser):
+    """Choices through hypothesis, so failing cases shrink towards small, early options."""
+
+    def __init__(self, data: st.DataObject) -> None:
+        self.data = data
+
+    def choice(self, options):  # noqa: ANN001, ANN201
+        return self.data.draw(st.sampled_from(list(options)))
+
+    def boolean(self, p: float = 0.5) -> bool:
+        return self.data.draw(st.booleans())
+
+    def seed(self) -> int:
+        return self.data.draw(st.integers(0, 2**31 - 1))
+
+
+def supports(target: str, dtype: str) -> bool:
+    return dtype in selection.get(target).supported_dtypes()
+
+
+def run_case(op: str, target: str, case: Case) -> Any:
+    spec = get_op(op)
+    return pk.call(spec, backend=target, **{k: v for k, v in case.arrays.items()}, **case.params)
+
+
+def check_case(op: str, target: str, case: Case) -> None:
+    got = run_case(op, target, case)
+    assert isinstance(got, np.ndarray), f"numpy in must give numpy out; got {type(got)}"
+    v = compare(get_op(op), case, got)
+    assert v.ok, (f"{op} on {target}: error/bound = {v.worst_ratio:.3g} {v.where}; "
+                  f"case {case.describe()}")
+
+
+def draw_case(op: str, data: st.DataObject, dtype: str) -> Case:
+    case = CASES[op](HypothesisChooser(data), dtype)
+    note(case.describe())
+    return case
