@@ -1,0 +1,70 @@
+"""The suite must be able to fail: deliberately broken kernels are caught by the same checks.
+
+Each mutant is a one-line edit of a shipped kernel — an off-by-one bound, a missing barrier,
+low-precision accumulation, a causal off-by-one — registered as its own op and run on every
+C-kernel target through the same case generators and tolerance rules as test_ops.py. A
+mutant that survives means the suite is too weak to trust.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import portakern as pk
+from portakern import selection
+from portakern.cases import CASES, NumpyChooser, compare
+from portakern.ops import get_op
+
+MUTANTS = {
+    "matmul: K loop stops one short": (
+        "matmul", "for (int k = 0; k < K; ++k) {", "for (int k = 0; k + 1 < K; ++k) {",
+        {"USE_LOCAL": 0}, "float32"),
+    "matmul: local tile drops the last K element": (
+        "matmul", "As[kk][r] = (gr < M && gk < K)", "As[kk][r] = (gr < M && gk + 1 < K)",
+        {"USE_LOCAL": 1, "LX": 8, "LY": 8, "TM": 2, "TN": 2, "TK": 8}, "float32"),
+    "matmul: bf16 accumulation": (
+        "matmul", "for (int j = 0; j < TN; ++j) acc[i][j] += a * b[j];\n        }\n    }\n#endif",
+        "for (int j = 0; j < TN; ++j) acc[i][j] = pk_bf16_to_float(pk_float_to_bf16("
+        "acc[i][j] + a * b[j]));\n        }\n    }\n#endif",
+        {"USE_LOCAL": 0}, "bfloat16"),
+    "softmax: missing barrier in the reduction": (
+        "softmax", "            ls[lid] = ss;\n        }\n        PK_BARRIER();",
+        "            ls[lid] = ss;\n        }", {"WG": 64}, "float32"),
+    "softmax: max not subtracted in the output": (
+        "softmax", "exp(x - rm) * inv", "exp(x) * inv", {}, "float32"),
+    "attention: causal off by one": (
+        "attention", "(!causal || kj <= qi)", "(!causal || kj < qi)", {}, "float32"),
+    "attention: no rescale of the accumulator": (
+        "attention", "for (int d = 0; d < DV; ++d) acc[d] *= corr;", "", {"BK": 4}, "float32"),
+}
+
+
+def kernel_targets() -> list[str]:
+    from conftest import TARGETS
+
+    return [t for t in TARGETS if selection.get(t).dialect is not None]
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_is_caught(name: str) -> None:
+    op, old, new, cfg, dtype = MUTANTS[name]
+    spec = get_op(op)
+    assert old in spec.source, f"mutation site for {name!r} not found: the kernel changed"
+    mutant = spec.replace(name=f"{op}_mutant", source=spec.source.replace(old, new, 1))
+    targets = kernel_targets()
+    if not targets:
+        pytest.skip("no C-kernel backend available: " + str(
+            {k: v["reason"] for k, v in pk.backends().items() if not v["available"]}))
+    for target in targets:
+        base = selection.get(target).device_class
+        config = {**spec.schedules[base], **cfg}
+        ch = NumpyChooser(np.random.default_rng(1234))
+        caught = False
+        for _ in range(40):
+            case = CASES[op](ch, dtype)
+            out = pk.call(mutant, backend=target, config=config, **case.arrays, **case.params)
+            if not compare(spec, case, out).ok:
+                caught = True
+                break
+        assert caught, f"mutant {name!r} survived 40 cases on {target}"
