@@ -60,6 +60,8 @@ class NumpyBackend(Backend):
 
     def execute(self, spec: KernelSpec, prob: Problem, ins: dict[str, Any],
                 config: Mapping[str, int] | None) -> np.ndarray:
+        if config:  # the oracle has no schedule, but a bad config is an error everywhere
+            spec.config("cpu", config, prob)
         args = []
         for op in spec.operands:
             x = ins.get(op.name)

@@ -48,6 +48,8 @@ def _targets() -> list[str]:
 
 
 TARGETS = _targets()
+KERNEL_TARGETS = [t for t in TARGETS
+                  if getattr(registry.load(t.split(":")[0]), "dialect", None) is not None]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -55,6 +57,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("target", TARGETS)
     if "device_target" in metafunc.fixturenames:  # targets whose arrays live on a device
         metafunc.parametrize("device_target", [t for t in TARGETS if not t.startswith("numpy")])
+    if "kernel_target" in metafunc.fixturenames:  # targets that compile portakern's C kernels
+        metafunc.parametrize("kernel_target", KERNEL_TARGETS)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001

@@ -1,0 +1,114 @@
+"""`portakern check`: the shared properties as a conformance run on this machine's devices.
+
+What a user runs on a new device or driver: every registered op x dtype on every available
+target, random edge-case shapes and values (portakern.cases), each compared with the float64
+oracle under the op's tolerance rule. Prints op x backend x dtype with pass/fail and the
+worst error/bound ratio, writes a result file naming device, driver and versions, and exits
+non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from . import __version__, dtypes, selection
+from . import backends as registry
+from .cases import CASES, NumpyChooser, compare
+from .errors import PortakernError
+from .ops import OPS
+
+
+def targets(requested: list[str] | None) -> tuple[list[str], dict[str, str]]:
+    skipped: dict[str, str] = {}
+    if requested:
+        return list(requested), skipped
+    out = []
+    for name in registry.names():
+        got = registry.load(name)
+        av = got if not isinstance(got, type) else got.probe()
+        if not av.available or not isinstance(got, type):
+            skipped[name] = av.reason
+            continue
+        out.extend(got.test_targets())
+    return out, skipped
+
+
+def run_check(target: str, op: str, dtype: str, examples: int, seed: int) -> dict[str, Any]:
+    be = selection.get(target)
+    spec = OPS[op]
+    if dtype not in be.supported_dtypes():
+        return {"status": "n/a", "why": f"{be.describe()} does not support {dtype}"}
+    gen = CASES.get(op) or getattr(spec, "cases", None)
+    if gen is None:
+        return {"status": "n/a", "why": f"op {op} has no case generator"}
+    ch = NumpyChooser(np.random.default_rng([seed, hash(op) & 0xFFFF, len(dtype)]))
+    worst, worst_case, t0 = 0.0, "", time.perf_counter()
+    for _ in range(examples):
+        case = gen(ch, dtype)
+        try:
+            got = be.to_numpy(x) if be.is_native(x := spec_call(op, target, case)) else x
+        except PortakernError as exc:
+            return {"status": "FAIL", "why": f"{type(exc).__name__}: {exc}"[:2000],
+                    "case": case.describe()}
+        v = compare(spec, case, got)
+        if v.worst_ratio >= worst:
+            worst, worst_case = v.worst_ratio, f"{case.describe()} {v.where}"
+        if not v.ok:
+            return {"status": "FAIL", "worst_ratio": worst, "case": worst_case}
+    return {"status": "pass", "worst_ratio": worst, "examples": examples,
+            "seconds": round(time.perf_counter() - t0, 3), "case": worst_case}
+
+
+def spec_call(op: str, target: str, case: Any) -> Any:
+    from .api import call
+
+    return call(op, backend=target, **case.arrays, **case.params)
+
+
+def main(args: argparse.Namespace) -> int:
+    tlist, skipped = targets(args.backend)
+    ops = args.ops.split(",") if args.ops else list(OPS)
+    dts = args.dtypes.split(",") if args.dtypes else list(dtypes.FLOAT_DTYPES)
+    results: list[dict[str, Any]] = []
+    failed = False
+    print(f"{'op':10s} {'backend':12s} {'dtype':9s} {'result':6s} {'worst err/bound':>15s}")
+    for target in tlist:
+        try:
+            be = selection.get(target)
+        except PortakernError as exc:
+            print(f"{'*':10s} {target:12s} {'*':9s} FAIL   {exc}")
+            failed = True
+            continue
+        for op in ops:
+            for dt in dts:
+                r = run_check(target, op, dt, args.examples, args.seed)
+                r.update(op=op, backend=target, dtype=dt, device=be.device.as_dict())
+                results.append(r)
+                failed |= r["status"] == "FAIL"
+                ratio = f"{r['worst_ratio']:.3g}" if "worst_ratio" in r else "-"
+                print(f"{op:10s} {target:12s} {dt:9s} {r['status']:6s} {ratio:>15s}"
+                      f"{'  ' + r.get('why', '') if r['status'] != 'pass' else ''}", flush=True)
+                if r["status"] == "FAIL" and r.get("case"):
+                    print(f"    failing case: {r['case']}")
+    for name, why in skipped.items():
+        print(f"NOT CHECKED: {name}: {why}")
+    doc = {"portakern": __version__, "python": sys.version.split()[0],
+           "machine": platform.machine(), "node": platform.node(),
+           "versions": {n: registry.availability(n).versions for n in registry.names()},
+           "skipped": skipped, "results": results, "passed": not failed}
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(doc, fh, indent=2, default=str)
+        print(f"wrote {args.out}")
+    print("conformance: " + ("FAILED" if failed else "passed") +
+          f" ({sum(r['status'] == 'pass' for r in results)} pass, "
+          f"{sum(r['status'] == 'FAIL' for r in results)} fail, "
+          f"{sum(r['status'] == 'n/a' for r in results)} n/a)")
+    return 1 if failed else 0

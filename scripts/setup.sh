@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Idempotent set-up: system packages when missing, a .venv/ at the repo root, portakern[all].
+# Safe to run again: it only installs what is missing or changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+need_apt=()
+have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+if command -v dpkg-query >/dev/null 2>&1; then
+  for p in pocl-opencl-icd ocl-icd-opencl-dev libclblast-dev; do
+    have_pkg "$p" || need_apt+=("$p")
+  done
+  command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
+  command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-dev)
+  python3 -c "import venv, ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
+fi
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "apt-get install ${need_apt[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  else
+    log "missing system packages: ${need_apt[*]} (run as root or install them; continuing)"
+  fi
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv"
+  python3 -m venv .venv
+fi
+stamp=.venv/.portakern-installed
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  log "pip install -e .[all] (first run downloads CuPy, JAX, PyOpenCL: a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/python -m pip install -q -e '.[all]'
+  # CLBlast peer for the benchmark: builds against Debian's libclblast-dev; optional.
+  if ! .venv/bin/python -c "import pyclblast" >/dev/null 2>&1; then
+    .venv/bin/python -m pip install -q cython >/dev/null 2>&1 || true
+    .venv/bin/python -m pip install -q --no-build-isolation pyclblast >/dev/null 2>&1 \
+      || log "pyclblast did not build: the CLBlast peer will be reported unavailable"
+  fi
+  echo "$want" > "$stamp"
+else
+  log ".venv up to date"
+fi
