@@ -35,6 +35,7 @@ class Dialect:
     as_uint: str
     infinity: str
     fp64_pragma: str = ""
+    vectors: bool = False  # native vector types with arithmetic (OpenCL floatN); CUDA has none
     extra: str = ""
     option_defaults: tuple[str, ...] = field(default=())
 
@@ -59,6 +60,7 @@ DIALECTS: dict[str, Dialect] = {
         as_uint="as_uint({x})",
         infinity="INFINITY",
         fp64_pragma="#pragma OPENCL EXTENSION cl_khr_fp64 : enable",
+        vectors=True,
     ),
     "cuda": Dialect(
         name="cuda",
@@ -128,6 +130,9 @@ def _macro_block(d: Dialect) -> str:
         f"#define PK_AS_FLOAT(x) {d.as_float.format(x='(x)')}",
         f"#define PK_AS_UINT(x) {d.as_uint.format(x='(x)')}",
         f"#define PK_INFINITY {d.infinity}",
+        f"#define PK_HAS_VECTOR {int(d.vectors)}",
+        "#define PK_CAT_(a, b) a##b",
+        "#define PK_CAT(a, b) PK_CAT_(a, b)",
     ]
     return "\n".join(lines)
 
@@ -178,6 +183,8 @@ def render(source: str, dialect: str, *, slots: Mapping[str, object],
         parts.append(f"#define PK_ACC_{slot} {sp.acc}")
         parts.append(f"#define PK_LOAD_{slot}(p, i) {sp.load}")
         parts.append(f"#define PK_STORE_{slot}(p, i, v) {sp.store}")
+        # storage == compute type: plain pointer reads, so vector loads (vloadN) are valid
+        parts.append(f"#define PK_PLAIN_{slot} {int(sp.storage == sp.acc)}")
     for name, value in sorted(defines.items()):
         _identifier(name, "define")
         parts.append(f"#define {name} {_define_value(name, value)}")

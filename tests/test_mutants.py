@@ -24,10 +24,13 @@ MUTANTS = {
         "matmul", "As[kk][r] = (gr < M && gk < K)", "As[kk][r] = (gr < M && gk + 1 < K)",
         {"USE_LOCAL": 1, "LX": 8, "LY": 8, "TM": 2, "TN": 2, "TK": 8}, "float32"),
     "matmul: bf16 accumulation": (
-        "matmul", "for (int j = 0; j < TN; ++j) acc[i][j] += a * b[j];\n        }\n    }\n#endif",
-        "for (int j = 0; j < TN; ++j) acc[i][j] = pk_bf16_to_float(pk_float_to_bf16("
+        "matmul", "for (int j = 0; j < NCOL; ++j) acc[i][j] += a * b[j];\n        }\n    }\n#endif",
+        "for (int j = 0; j < NCOL; ++j) acc[i][j] = pk_bf16_to_float(pk_float_to_bf16("
         "acc[i][j] + a * b[j]));\n        }\n    }\n#endif",
         {"USE_LOCAL": 0}, "bfloat16"),
+    "matmul: vector path skips the last k": (
+        "matmul", "for (int k = 0; k < K; ++k) {\n            vacc_t b[TN];",
+        "for (int k = 0; k + 1 < K; ++k) {\n            vacc_t b[TN];", {"VEC": 16}, "float32"),
     "softmax: missing barrier in the reduction": (
         "softmax", "            ls[lid] = ss;\n        }\n        PK_BARRIER();",
         "            ls[lid] = ss;\n        }", {"WG": 64}, "float32"),

@@ -5,12 +5,16 @@
  * so neighbouring items touch neighbouring addresses: coalesced on GPUs, and vectorisable
  * across items on CPU OpenCL runtimes (PoCL packs work-items into SIMD lanes).
  * USE_LOCAL=1 (GPU schedule) stages TK-deep slices of A and B through local/shared memory;
- * USE_LOCAL=0 (CPU schedule) reads global memory directly and relies on the caches.
+ * USE_LOCAL=0 (CPU schedule) reads global memory directly and relies on the caches; with
+ * VEC > 1 on a dialect with native vectors and plain (fp32/fp64) storage, an item's columns
+ * are contiguous and held in VEC-lane vector registers. Elsewhere VEC only widens the item
+ * (TN*VEC scalar columns), so every schedule is valid in every dialect.
  * Batch: group id 2 indexes up to two collapsed batch dims (z0, z1) with per-operand strides
  * (0 for broadcast dims); the host loops over any further dims through the *_off arguments.
  */
+#define NCOL (TN * VEC) /* columns of C per work-item */
 #define BM (LY * TM)
-#define BN (LX * TN)
+#define BN (LX * NCOL)
 
 PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
                       PK_GLOBAL const PK_T_T* PK_RESTRICT B,
@@ -30,9 +34,9 @@ PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
     const int bo = b_off + z0 * sb0 + z1 * sb1;
     const int co = c_off + z0 * sc0 + z1 * sc1;
 
-    PK_ACC_T acc[TM][TN];
+    PK_ACC_T acc[TM][NCOL];
     for (int i = 0; i < TM; ++i)
-        for (int j = 0; j < TN; ++j)
+        for (int j = 0; j < NCOL; ++j)
             acc[i][j] = (PK_ACC_T)0;
 
 #if USE_LOCAL
@@ -52,28 +56,71 @@ PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
         }
         PK_BARRIER();
         for (int kk = 0; kk < TK; ++kk) {
-            PK_ACC_T b[TN];
-            for (int j = 0; j < TN; ++j) b[j] = Bs[kk][tx + j * LX];
+            PK_ACC_T b[NCOL];
+            for (int j = 0; j < NCOL; ++j) b[j] = Bs[kk][tx + j * LX];
             for (int i = 0; i < TM; ++i) {
                 const PK_ACC_T a = As[kk][ty + i * LY];
-                for (int j = 0; j < TN; ++j) acc[i][j] += a * b[j];
+                for (int j = 0; j < NCOL; ++j) acc[i][j] += a * b[j];
             }
         }
         PK_BARRIER();
     }
+#elif VEC > 1 && PK_HAS_VECTOR && PK_PLAIN_T
+    /* CPU schedule with native vectors: an item owns TM rows x NCOL contiguous columns held
+     * in TN vector registers of VEC lanes: per k, TN vector loads of B, TM broadcasts of A,
+     * TM*TN vector FMAs (a register-blocked outer product, as BLAS micro-kernels do). */
+    typedef PK_CAT(PK_ACC_T, VEC) vacc_t;
+    const int c0 = col0 + tx * NCOL;
+    int arow[TM];
+    for (int i = 0; i < TM; ++i) arow[i] = ao + min(row0 + ty + i * LY, M - 1) * K;
+    if (c0 + NCOL <= N) {
+        vacc_t vacc[TM][TN];
+        for (int i = 0; i < TM; ++i)
+            for (int j = 0; j < TN; ++j) vacc[i][j] = (vacc_t)(0);
+        const PK_GLOBAL PK_T_T* bp = B + bo + c0;
+        for (int k = 0; k < K; ++k) {
+            vacc_t b[TN];
+            for (int j = 0; j < TN; ++j) b[j] = PK_CAT(vload, VEC)(j, bp + k * N);
+            for (int i = 0; i < TM; ++i) {
+                const PK_ACC_T a = A[arow[i] + k];
+                for (int j = 0; j < TN; ++j) vacc[i][j] = fma((vacc_t)(a), b[j], vacc[i][j]);
+            }
+        }
+        for (int i = 0; i < TM; ++i) {
+            const int r = row0 + ty + i * LY;
+            if (r < M)
+                for (int j = 0; j < TN; ++j) PK_CAT(vstore, VEC)(vacc[i][j], 0, C + co + r * N + c0 + j * VEC);
+        }
+        return;
+    }
+    /* right edge (fewer than NCOL columns left): scalar, same ownership */
+    for (int k = 0; k < K; ++k) {
+        for (int i = 0; i < TM; ++i) {
+            const PK_ACC_T a = A[arow[i] + k];
+            for (int j = 0; j < NCOL; ++j)
+                if (c0 + j < N) acc[i][j] += a * B[bo + k * N + c0 + j];
+        }
+    }
+    for (int i = 0; i < TM; ++i) {
+        const int r = row0 + ty + i * LY;
+        if (r >= M) continue;
+        for (int j = 0; j < NCOL; ++j)
+            if (c0 + j < N) C[co + r * N + c0 + j] = acc[i][j];
+    }
+    return;
 #else
     /* Clamp out-of-range rows/columns to a valid address and drop them at the store:
      * no branch in the inner loop. */
     int arow[TM];
-    int bcol[TN];
+    int bcol[NCOL];
     for (int i = 0; i < TM; ++i) arow[i] = ao + min(row0 + ty + i * LY, M - 1) * K;
-    for (int j = 0; j < TN; ++j) bcol[j] = bo + min(col0 + tx + j * LX, N - 1);
+    for (int j = 0; j < NCOL; ++j) bcol[j] = bo + min(col0 + tx + j * LX, N - 1);
     for (int k = 0; k < K; ++k) {
-        PK_ACC_T b[TN];
-        for (int j = 0; j < TN; ++j) b[j] = PK_LOAD_T(B, bcol[j] + k * N);
+        PK_ACC_T b[NCOL];
+        for (int j = 0; j < NCOL; ++j) b[j] = PK_LOAD_T(B, bcol[j] + k * N);
         for (int i = 0; i < TM; ++i) {
             const PK_ACC_T a = PK_LOAD_T(A, arow[i] + k);
-            for (int j = 0; j < TN; ++j) acc[i][j] += a * b[j];
+            for (int j = 0; j < NCOL; ++j) acc[i][j] += a * b[j];
         }
     }
 #endif
@@ -81,7 +128,7 @@ PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
     for (int i = 0; i < TM; ++i) {
         const int r = row0 + ty + i * LY;
         if (r >= M) continue;
-        for (int j = 0; j < TN; ++j) {
+        for (int j = 0; j < NCOL; ++j) {
             const int c = col0 + tx + j * LX;
             if (c < N) PK_STORE_T(C, co + r * N + c, acc[i][j]);
         }

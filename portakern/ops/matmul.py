@@ -65,7 +65,7 @@ def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     M, N, K, batch = (p.derived[k] for k in ("M", "N", "K", "batch"))
-    bm, bn = cfg["LY"] * cfg["TM"], cfg["LX"] * cfg["TN"]
+    bm, bn = cfg["LY"] * cfg["TM"], cfg["LX"] * cfg["TN"] * cfg["VEC"]
     gy = cdiv(M, bm)
     if gy > MAX_GRID_YZ:
         raise ShapeError(f"matmul: M={M} needs {gy} row tiles of {bm}, more than {MAX_GRID_YZ} "
@@ -102,7 +102,9 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
 
 
 def config_check(p: Problem | None, cfg: Mapping[str, int]) -> str | None:
-    if cfg["USE_LOCAL"] and cfg["TK"] * (cfg["LY"] * cfg["TM"] + 1 + cfg["LX"] * cfg["TN"]) > 8192:
+    if cfg["TM"] * cfg["TN"] * cfg["VEC"] > 512:
+        return "TM*TN*VEC exceeds 512 accumulators per work-item; lower one of them."
+    if cfg["USE_LOCAL"] and cfg["TK"] * (cfg["LY"] * cfg["TM"] + 1 + cfg["LX"] * cfg["TN"] * cfg["VEC"]) > 8192:
         return "local tiles exceed 8192 elements (32 KiB in fp32); lower TK, TM, TN, LX or LY."
     return None
 
@@ -114,6 +116,7 @@ TUNABLES = (
     Tunable("LY", (1, 2, 4, 8, 16, 32), "work-group height (rows)"),
     Tunable("TK", (1, 4, 8, 16, 32), "depth of the local-memory K slice (USE_LOCAL=1)"),
     Tunable("USE_LOCAL", (0, 1), "stage tiles through local/shared memory"),
+    Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes per column group (CPU schedule)"),
 )
 
 SPEC = KernelSpec(
@@ -130,8 +133,8 @@ SPEC = KernelSpec(
     tolerance=tolerance,
     tunables=TUNABLES,
     schedules={
-        "gpu": {"TM": 4, "TN": 4, "LX": 16, "LY": 16, "TK": 16, "USE_LOCAL": 1},
-        "cpu": {"TM": 8, "TN": 2, "LX": 16, "LY": 1, "TK": 16, "USE_LOCAL": 0},
+        "gpu": {"TM": 4, "TN": 4, "LX": 16, "LY": 16, "TK": 16, "USE_LOCAL": 1, "VEC": 1},
+        "cpu": {"TM": 8, "TN": 2, "LX": 1, "LY": 2, "TK": 16, "USE_LOCAL": 0, "VEC": 16},
     },
     config_check=config_check,
     doc="Batched matrix product with float32 (float64 for float64) accumulation.",
