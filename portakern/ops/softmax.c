@@ -24,7 +24,40 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
     const int base = o * n * inner + (row - o * inner);
 
     PK_ACC_T m = -PK_INFINITY, s = (PK_ACC_T)0;
-    for (int j = lid; j < n; j += WG) {
+    int j_first = lid;
+#if VEC > 1 && PK_HAS_VECTOR && PK_PLAIN_T
+    /* CPU schedule, contiguous rows: the same single read pass in VEC-lane vectors, UNROLL
+     * vectors per block with one rescale per block, so exp runs about once per element. A
+     * finite sentinel stands for "no value yet" so that all -inf lanes need no branch. */
+    typedef PK_CAT(PK_ACC_T, VEC) vt;
+    const int nblk = (inner == 1) ? n / (VEC * UNROLL) : 0;
+    if (nblk > 0) {
+        const PK_GLOBAL PK_T_T* xr = X + base;
+        vt mv = (vt)(LOWEST), sv = (vt)(0);
+        int anynan = 0;
+        for (int bi = lid; bi < nblk; bi += WG) {
+            vt xs[UNROLL];
+            vt bm = mv;
+            for (int u = 0; u < UNROLL; ++u) {
+                xs[u] = PK_CAT(vload, VEC)(bi * UNROLL + u, xr);
+                anynan |= any(isnan(xs[u]));
+                bm = fmax(bm, xs[u]);
+            }
+            vt acc = sv * exp(mv - bm);
+            for (int u = 0; u < UNROLL; ++u) acc += exp(xs[u] - bm);
+            sv = acc;
+            mv = bm;
+        }
+        PK_ACC_T* ml = (PK_ACC_T*)&mv;
+        PK_ACC_T* sl = (PK_ACC_T*)&sv;
+        m = (PK_ACC_T)LOWEST;
+        s = (PK_ACC_T)0;
+        for (int l = 0; l < VEC; ++l) pk_merge(&m, &s, ml[l], sl[l]);
+        if (anynan) m = (PK_ACC_T)NAN;
+        j_first = nblk * VEC * UNROLL + lid;
+    }
+#endif
+    for (int j = j_first; j < n; j += WG) {
         const PK_ACC_T x = PK_LOAD_T(X, base + j * inner);
         const PK_ACC_T mx = (x > m || x != x) ? x : m;
         if (mx == -PK_INFINITY) continue;
@@ -47,10 +80,23 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
         PK_BARRIER();
     }
     const PK_ACC_T rm = lm[0];
-    const PK_ACC_T inv = (rm == -PK_INFINITY) ? (PK_ACC_T)0 : (PK_ACC_T)1 / ls[0];
-    for (int j = lid; j < n; j += WG) {
+    const int dead = (rm == -PK_INFINITY) || (ls[0] == (PK_ACC_T)0);
+    const PK_ACC_T inv = dead ? (PK_ACC_T)0 : (PK_ACC_T)1 / ls[0];
+    int jo = lid;
+#if VEC > 1 && PK_HAS_VECTOR && PK_PLAIN_T
+    if (nblk > 0) {
+        const PK_GLOBAL PK_T_T* xr = X + base;
+        PK_GLOBAL PK_T_T* yr = Y + base;
+        for (int bi = lid; bi < nblk * UNROLL; bi += WG) {
+            const vt y = exp(PK_CAT(vload, VEC)(bi, xr) - (vt)(rm)) * (vt)(inv);
+            PK_CAT(vstore, VEC)(y, bi, yr);
+        }
+        jo = nblk * VEC * UNROLL + lid;
+    }
+#endif
+    for (int j = jo; j < n; j += WG) {
         const PK_ACC_T x = PK_LOAD_T(X, base + j * inner);
-        const PK_ACC_T y = (rm == -PK_INFINITY) ? (PK_ACC_T)0 : exp(x - rm) * inv;
+        const PK_ACC_T y = dead ? (PK_ACC_T)0 : exp(x - rm) * inv;
         PK_STORE_T(Y, base + j * inner, y);
     }
 }

@@ -24,6 +24,10 @@ from ..spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, S
 from ._common import kernel_source, need_rank
 
 
+# "no value yet" for the vector path: below every finite value of the compute type
+LOWEST = {"float32": -3.4028234663852886e38, "float64": -1.7976931348623157e308}
+
+
 def semantics(xp: Any, x: Any, axis: int = -1) -> Any:
     m = xp.max(x, axis=axis, keepdims=True)
     dead = m == -xp.inf
@@ -100,12 +104,15 @@ SPEC = KernelSpec(
     semantics=semantics,
     source=kernel_source("softmax.c"),
     slots=lambda p: {"T": p.dtype},
-    defines=lambda p, cfg: dict(cfg),
+    defines=lambda p, cfg: {**cfg, "LOWEST": LOWEST[p.info.compute.name]},
     launches=launches,
     cost=cost,
     tolerance=tolerance,
     tunables=(Tunable("WG", (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-                      "work-items per row (a power of two: tree reduction)"),),
-    schedules={"gpu": {"WG": 256}, "cpu": {"WG": 16}},
+                      "work-items per row (a power of two: tree reduction)"),
+              Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes (CPU schedule, contiguous rows)"),
+              Tunable("UNROLL", (1, 2, 4, 8), "vectors per block between rescales")),
+    schedules={"gpu": {"WG": 256, "VEC": 1, "UNROLL": 1},
+               "cpu": {"WG": 1, "VEC": 16, "UNROLL": 4}},
     doc="Numerically stable softmax along any axis, fused into one kernel.",
 )
