@@ -10,8 +10,8 @@ import importlib
 import sys
 import threading
 import types
-from typing import Any
 from importlib import metadata
+from typing import Any
 
 from .base import Availability, Backend
 

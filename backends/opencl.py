@@ -15,7 +15,12 @@ from typing import Any
 import numpy as np
 
 from portakern import dtypes
-from portakern.errors import BackendUnavailable, CompileError, DeviceMemoryError, UnknownBackendError
+from portakern.errors import (
+    BackendUnavailable,
+    CompileError,
+    DeviceMemoryError,
+    UnknownBackendError,
+)
 from portakern.spec import Launch
 
 from .base import Availability, DeviceInfo, KernelBackend

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .api import attention, call, matmul, softmax
+from . import backends  # the registry; calling it lists every backend
+from .api import attention, call, matmul, rmsnorm, softmax
+from .cases import register_cases
 from .errors import (
     BackendUnavailable,
     CompileError,
@@ -16,18 +18,18 @@ from .errors import (
     UnknownBackendError,
     UnsupportedDTypeError,
 )
-from . import backends  # the registry; calling it lists every backend
 from .info import to_backend
-from .ops import register_op
+from .ops import register_op, unregister_op
 from .selection import explain, use
-from .spec import Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
+from .spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackendUnavailable", "Buf", "CompileError", "Cost", "DTypeError", "DeviceMemoryError",
-    "InvalidArgumentError", "KernelSpec", "Launch", "NotAnArrayError", "Operand",
-    "PortakernError", "Problem", "Scalar", "ShapeError", "SpecError", "Tunable",
+    "ArrayMeta", "BackendUnavailable", "Buf", "CompileError", "Cost", "DTypeError",
+    "DeviceMemoryError", "InvalidArgumentError", "KernelSpec", "Launch", "NotAnArrayError",
+    "Operand", "PortakernError", "Problem", "Scalar", "ShapeError", "SpecError", "Tunable",
     "UnknownBackendError", "UnsupportedDTypeError", "attention", "backends", "call",
-    "explain", "matmul", "register_op", "softmax", "to_backend", "use",
+    "explain", "matmul", "register_cases", "register_op", "rmsnorm", "softmax", "to_backend",
+    "unregister_op", "use",
 ]

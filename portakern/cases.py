@@ -59,7 +59,8 @@ class Case:
     def describe(self) -> str:
         shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in self.arrays.items() if v is not None)
         extra = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
-        return f"{shapes}{'; ' + extra if extra else ''}{' [' + self.note + ']' if self.note else ''}"
+        note = f" [{self.note}]" if self.note else ""
+        return f"{shapes}{'; ' + extra if extra else ''}{note}"
 
 
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, scale: float = 1.0,
@@ -152,16 +153,52 @@ def attention_case(ch: Chooser, dtype: str) -> Case:
                 note.strip())
 
 
-CASES: dict[str, Callable[[Chooser, str], Case]] = {
+CaseGenerator = Callable[[Chooser, str], Case]
+
+
+class _CaseTable(dict[str, CaseGenerator]):
+    """The built-in generators by op name; any other registered op falls back to its spec's
+    generator (``case_generator``), so ``CASES[op]`` works for every op in the registry."""
+
+    def __missing__(self, op: str) -> CaseGenerator:
+        from .ops import OPS
+
+        spec = OPS.get(op)
+        gen = case_generator(spec) if spec is not None else None
+        if gen is None:
+            raise KeyError(op)
+        return gen
+
+    def get(self, op: str, default: CaseGenerator | None = None  # type: ignore[override]
+            ) -> CaseGenerator | None:
+        try:
+            return self[op]
+        except KeyError:
+            return default
+
+
+CASES: dict[str, CaseGenerator] = _CaseTable({
     "matmul": matmul_case,
     "softmax": softmax_case,
     "attention": attention_case,
-}
+})
 
 
-def register_cases(op: str, fn: Callable[[Chooser, str], Case]) -> None:
-    """Give a user-defined op its own case generator (else the spec's `cases` field is used)."""
+def register_cases(op: str, fn: CaseGenerator) -> None:
+    """Give an op a case generator that takes precedence over its spec's `cases` field."""
     CASES[op] = fn
+
+
+def case_generator(spec: Any) -> CaseGenerator | None:
+    """The generator the suite and `portakern check` use for a spec, first found of:
+    register_cases / the built-in table (by name), ``spec.cases``, one derived from
+    ``spec.shapes`` or ``spec.example`` (portakern.spec_tools.derived_cases); else None."""
+    got = dict.get(CASES, spec.name) or getattr(spec, "cases", None)
+    if got is not None:
+        return got
+    from .spec_tools import derived_cases
+
+    return derived_cases(spec)
 
 
 @dataclass

@@ -168,7 +168,8 @@ def render(source: str, dialect: str, *, slots: Mapping[str, object],
     try:
         d = DIALECTS[dialect]
     except KeyError:
-        raise SpecError(f"unknown dialect {dialect!r}; expected one of {sorted(DIALECTS)}") from None
+        raise SpecError(f"unknown dialect {dialect!r}; expected one of {sorted(DIALECTS)}"
+                        ) from None
     parts = [f"/* portakern: rendered for {dialect} */"]
     if d.headers:
         parts.append(d.headers)

@@ -56,12 +56,15 @@ def representative_problem(spec: KernelSpec, dtype: str, sizes: dict[str, int] |
                   "k": _meta((s["B"], s["Hkv"], s["Sk"], s["D"]), dt),
                   "v": _meta((s["B"], s["Hkv"], s["Sk"], dv), dt), "mask": None}
         params = {"causal": False, "scale": None}
-    else:
-        example = getattr(spec, "example", None)
-        if example is None:
+    else:  # user ops: their `example`, or their `shapes` family with --shape overriding names
+        from .spec_tools import example_inputs
+
+        got = example_inputs(spec, dtype, sizes)
+        if got is None:
             raise InvalidArgumentError(f"op {spec.name!r} has no representative problem; give "
-                                       "its KernelSpec an `example` (see 'Add a kernel').")
-        arrays, params = example(dtype)
+                                       "its KernelSpec an `example` or `shapes` (see "
+                                       "docs/add-a-kernel.md).")
+        arrays, params = got
     bound, par = spec.bind((), {**arrays, **params})
     return spec.problem(bound, par)
 
@@ -86,7 +89,8 @@ def show(op: str, backend: str = "opencl", dtype: str = "float32", shape: str | 
     dialect, device_class = dialect_of(backend)
     prob = representative_problem(spec, dtype, parse_sizes(shape))
     cfg = spec.config(schedule or device_class, None, prob)
-    src = codegen.render(spec.source, dialect, slots=spec.slots(prob), defines=spec.defines(prob, cfg))
+    src = codegen.render(spec.source, dialect, slots=spec.slots(prob),
+                         defines=spec.defines(prob, cfg))
     head = (f"// {op} for {dialect}, dtype {dtype}, schedule {schedule or device_class} {cfg}\n"
             f"// launches: {spec.launches(prob, cfg)[:1]}\n")
     return head + src

@@ -38,8 +38,25 @@ MUTANTS = {
         "softmax", "exp(x - rm) * inv", "exp(x) * inv", {}, "float32"),
     "attention: causal off by one": (
         "attention", "(!causal || kj <= qi)", "(!causal || kj < qi)", {}, "float32"),
-    "attention: no rescale of the accumulator": (
-        "attention", "for (int d = 0; d < DV; ++d) acc[d] *= corr;", "", {"BK": 4}, "float32"),
+    "attention: no rescale of the accumulator (scalar path)": (
+        "attention", "for (int d = 0; d < DV; ++d) acc[t][d] *= corr;", "", {"BK": 4}, "float32"),
+    "attention: no rescale of the accumulator (vector path)": (
+        "attention", "for (int c = 0; c < NAV; ++c) acc[t][c] *= (vt)(corr);", "", {"BK": 16},
+        "float32"),
+    "attention: transposed K tile off by one key": (
+        "attention", "Kt[d][j] = (k0 + j < Sk)", "Kt[d][j] = (k0 + j + 1 < Sk)", {"BK": 16},
+        "float32"),
+    # rmsnorm is registered like any user op: its mutants run through its spec's own generator
+    "rmsnorm: missing barrier in the reduction": (
+        "rmsnorm", "            lb[lid] += lb[lid + step];\n        }\n        PK_BARRIER();",
+        "            lb[lid] += lb[lid + step];\n        }", {"WG": 64}, "float32"),
+    "rmsnorm: mean over n - 1": (
+        "rmsnorm", "q = tn / nf + eps;", "q = tn / (nf - (PK_ACC_T)1) + eps;", {}, "float32"),
+    "rmsnorm: large elements squared unscaled (overflow)": (
+        "rmsnorm", "const PK_ACC_T t = x * down;", "const PK_ACC_T t = x;", {}, "float32"),
+    "rmsnorm: bf16 accumulation": (
+        "rmsnorm", "sn += x * x;", "sn = pk_bf16_to_float(pk_float_to_bf16(sn + x * x));", {},
+        "bfloat16"),
 }
 
 

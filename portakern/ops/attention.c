@@ -4,15 +4,28 @@
  * MASK: bytes (1 = attend) addressed with broadcast strides ms0..ms3 (0 on broadcast dims).
  * Grouped-query attention: query head h reads kv head h / group.
  *
- * One work-group = BQ queries of one (batch, head); one work-item = one query row, whose q,
- * output accumulator and running (max m, sum l) live in registers. Key/value tiles of BK rows
- * are staged in local memory and shared by the group. Online softmax per tile
+ * One work-group = QB = BQ*TQ queries of one (batch, head); one work-item = TQ query rows,
+ * whose q, output accumulators and running (max m, sum l) live in registers. Key/value tiles
+ * of BK rows are staged in local memory and shared by the group. Online softmax per tile
  * (FlashAttention): scores of the tile -> tile max -> one rescale of (l, acc) -> accumulate.
  * Causal: tiles wholly after the group's last query are never loaded. A row with no key to
  * attend (fully masked, or Sk = 0) writes 0.
+ *
+ * Two inner paths, one source. GPU schedule (TQ=1, VEC=1): scalar, one query per item, the
+ * group's many items hide latency. CPU schedule on dialects with native vectors (OpenCL):
+ * the K tile is stored transposed so VEC consecutive keys' scores are one vector FMA chain,
+ * and the P.V product runs on VEC-wide slices of V rows; each item's TQ queries reuse every
+ * tile load TQ times (register blocking, as in matmul).
  */
 #define DQ_ (DQ > 0 ? DQ : 1)
 #define DV_ (DV > 0 ? DV : 1)
+#define QB (BQ * TQ)
+#define AT_VEC (VEC > 1 && PK_HAS_VECTOR && PK_PLAIN_T && (BK % VEC) == 0)
+#if AT_VEC
+#define DVP (((DV_ + VEC - 1) / VEC) * VEC) /* V rows padded to whole vectors */
+#define NSV (BK / VEC)
+#define NAV (DVP / VEC)
+#endif
 
 PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                          PK_GLOBAL const PK_T_T* PK_RESTRICT K,
@@ -30,21 +43,52 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
     const int Hkv = Hq / group;
     const int kvrow0 = (b * Hkv + h / group) * Sk;
     const int lid = PK_LOCAL_ID(0);
-    const int qi = qb * BQ + lid;
-    const int qrow = min(qi, Sq - 1);
-    const int mrow = b * ms0 + h * ms1 + qrow * ms2;
+    const int q0 = qb * QB + lid * TQ; /* this item's first query */
 
+#if AT_VEC
+    typedef PK_CAT(PK_ACC_T, VEC) vt;
+    PK_LOCAL PK_ACC_T Kt[DQ_][BK]; /* transposed: Kt[d][j] = K[k0 + j][d] */
+    PK_LOCAL PK_ACC_T Vs[BK][DVP];
+    vt acc[TQ][NAV];
+    for (int t = 0; t < TQ; ++t)
+        for (int c = 0; c < NAV; ++c) acc[t][c] = (vt)(0);
+#else
     PK_LOCAL PK_ACC_T Ks[BK][DQ_];
     PK_LOCAL PK_ACC_T Vs[BK][DV_];
-    PK_ACC_T qr[DQ_];
-    PK_ACC_T acc[DV_];
+    PK_ACC_T acc[TQ][DV_];
+    for (int t = 0; t < TQ; ++t)
+        for (int d = 0; d < DV; ++d) acc[t][d] = (PK_ACC_T)0;
+#endif
+    PK_ACC_T qr[TQ][DQ_];
+    PK_ACC_T m[TQ], l[TQ];
     PK_ACC_T sc[BK];
-    for (int d = 0; d < DQ; ++d) qr[d] = PK_LOAD_T(Q, (bh * Sq + qrow) * DQ + d) * scale;
-    for (int d = 0; d < DV; ++d) acc[d] = (PK_ACC_T)0;
-    PK_ACC_T m = -PK_INFINITY, l = (PK_ACC_T)0;
+    for (int t = 0; t < TQ; ++t) {
+        const int qrow = min(q0 + t, Sq - 1);
+        for (int d = 0; d < DQ; ++d) qr[t][d] = PK_LOAD_T(Q, (bh * Sq + qrow) * DQ + d) * scale;
+        m[t] = -PK_INFINITY;
+        l[t] = (PK_ACC_T)0;
+    }
 
-    const int kend = causal ? min(Sk, qb * BQ + BQ) : Sk;
+    const int kend = causal ? min(Sk, qb * QB + QB) : Sk;
     for (int k0 = 0; k0 < kend; k0 += BK) {
+#if AT_VEC
+        for (int idx = lid; idx < BK * DQ; idx += BQ) {
+            const int j = idx / DQ, d = idx - (idx / DQ) * DQ;
+            Kt[d][j] = (k0 + j < Sk) ? PK_LOAD_T(K, (kvrow0 + k0 + j) * DQ + d) : (PK_ACC_T)0;
+        }
+        if (DVP == DV && k0 + BK <= Sk) {
+            for (int idx = lid; idx < BK * NAV; idx += BQ) {
+                const int j = idx / NAV, c = idx - (idx / NAV) * NAV;
+                PK_CAT(vstore, VEC)(PK_CAT(vload, VEC)(c, V + (kvrow0 + k0 + j) * DV), c, &Vs[j][0]);
+            }
+        } else {
+            for (int idx = lid; idx < BK * DVP; idx += BQ) {
+                const int j = idx / DVP, d = idx - (idx / DVP) * DVP;
+                Vs[j][d] = (k0 + j < Sk && d < DV) ? PK_LOAD_T(V, (kvrow0 + k0 + j) * DV + d)
+                                                   : (PK_ACC_T)0;
+            }
+        }
+#else
         for (int idx = lid; idx < BK * DQ; idx += BQ) {
             const int j = idx / DQ, d = idx - (idx / DQ) * DQ;
             Ks[j][d] = (k0 + j < Sk) ? PK_LOAD_T(K, (kvrow0 + k0 + j) * DQ + d) : (PK_ACC_T)0;
@@ -53,38 +97,113 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
             const int j = idx / DV, d = idx - (idx / DV) * DV;
             Vs[j][d] = (k0 + j < Sk) ? PK_LOAD_T(V, (kvrow0 + k0 + j) * DV + d) : (PK_ACC_T)0;
         }
+#endif
         PK_BARRIER();
 
-        PK_ACC_T bm = -PK_INFINITY;
-        for (int j = 0; j < BK; ++j) {
-            const int kj = k0 + j;
-            int ok = kj < Sk && (!causal || kj <= qi);
-            if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
-            PK_ACC_T s = -PK_INFINITY;
-            if (ok) {
-                s = (PK_ACC_T)0;
-                for (int d = 0; d < DQ; ++d) s += qr[d] * Ks[j][d];
+#if AT_VEC
+        vt sv[TQ][NSV];
+        for (int t = 0; t < TQ; ++t)
+            for (int c = 0; c < NSV; ++c) sv[t][c] = (vt)(0);
+        for (int d = 0; d < DQ; ++d) {
+            vt kv[NSV];
+            for (int c = 0; c < NSV; ++c) kv[c] = PK_CAT(vload, VEC)(c, &Kt[d][0]);
+            for (int t = 0; t < TQ; ++t) {
+                const vt qd = (vt)(qr[t][d]);
+                for (int c = 0; c < NSV; ++c) sv[t][c] = fma(qd, kv[c], sv[t][c]);
             }
-            sc[j] = s;
-            bm = (s > bm || s != s) ? s : bm;
         }
-        if (bm != -PK_INFINITY) {
-            const PK_ACC_T mn = (bm > m || bm != bm) ? bm : m;
-            const PK_ACC_T corr = exp(m - mn);
-            l *= corr;
-            for (int d = 0; d < DV; ++d) acc[d] *= corr;
+#endif
+        for (int t = 0; t < TQ; ++t) {
+            const int qi = q0 + t;
+            const int mrow = b * ms0 + h * ms1 + min(qi, Sq - 1) * ms2;
+#if AT_VEC
+            /* a tile with nothing masked: max, exp and sum stay in vectors */
+            if (!has_mask && k0 + BK <= Sk && (!causal || k0 + BK - 1 <= qi)) {
+                vt bmv = sv[t][0];
+                for (int c = 1; c < NSV; ++c) bmv = fmax(bmv, sv[t][c]);
+                PK_ACC_T* bl = (PK_ACC_T*)&bmv;
+                PK_ACC_T bm = bl[0];
+                for (int e = 1; e < VEC; ++e) bm = fmax(bm, bl[e]);
+                const PK_ACC_T mn = fmax(bm, m[t]);
+                const PK_ACC_T corr = exp(m[t] - mn);
+                for (int c = 0; c < NAV; ++c) acc[t][c] *= (vt)(corr);
+                vt lv = (vt)(0);
+                for (int c = 0; c < NSV; ++c) {
+                    const vt p = exp(sv[t][c] - (vt)(mn));
+                    lv += p;
+                    PK_CAT(vstore, VEC)(p, c, sc);
+                }
+                PK_ACC_T* ll = (PK_ACC_T*)&lv;
+                PK_ACC_T lt = l[t] * corr;
+                for (int e = 0; e < VEC; ++e) lt += ll[e];
+                for (int j = 0; j < BK; ++j) {
+                    const vt pv = (vt)(sc[j]);
+                    for (int c = 0; c < NAV; ++c)
+                        acc[t][c] = fma(pv, PK_CAT(vload, VEC)(c, &Vs[j][0]), acc[t][c]);
+                }
+                l[t] = lt;
+                m[t] = mn;
+                continue;
+            }
+            for (int c = 0; c < NSV; ++c) PK_CAT(vstore, VEC)(sv[t][c], c, sc);
+#endif
+            PK_ACC_T bm = -PK_INFINITY;
+            for (int j = 0; j < BK; ++j) {
+                const int kj = k0 + j;
+                int ok = kj < Sk && (!causal || kj <= qi);
+                if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
+                PK_ACC_T s = -PK_INFINITY;
+                if (ok) {
+#if AT_VEC
+                    s = sc[j];
+#else
+                    s = (PK_ACC_T)0;
+                    for (int d = 0; d < DQ; ++d) s += qr[t][d] * Ks[j][d];
+#endif
+                }
+                sc[j] = s;
+                bm = (s > bm || s != s) ? s : bm;
+            }
+            if (bm == -PK_INFINITY) continue; /* nothing to attend in this tile */
+            const PK_ACC_T mn = (bm > m[t] || bm != bm) ? bm : m[t];
+            const PK_ACC_T corr = exp(m[t] - mn);
+            PK_ACC_T lt = l[t] * corr;
+#if AT_VEC
+            for (int c = 0; c < NAV; ++c) acc[t][c] *= (vt)(corr);
+            for (int c = 0; c < NSV; ++c) {
+                const vt p = exp(PK_CAT(vload, VEC)(c, sc) - (vt)(mn));
+                PK_CAT(vstore, VEC)(p, c, sc);
+            }
+            for (int j = 0; j < BK; ++j) {
+                const PK_ACC_T p = sc[j];
+                lt += p;
+                const vt pv = (vt)(p);
+                for (int c = 0; c < NAV; ++c)
+                    acc[t][c] = fma(pv, PK_CAT(vload, VEC)(c, &Vs[j][0]), acc[t][c]);
+            }
+#else
+            for (int d = 0; d < DV; ++d) acc[t][d] *= corr;
             for (int j = 0; j < BK; ++j) {
                 const PK_ACC_T p = exp(sc[j] - mn);
-                l += p;
-                for (int d = 0; d < DV; ++d) acc[d] += p * Vs[j][d];
+                lt += p;
+                for (int d = 0; d < DV; ++d) acc[t][d] += p * Vs[j][d];
             }
-            m = mn;
+#endif
+            l[t] = lt;
+            m[t] = mn;
         }
         PK_BARRIER();
     }
 
-    if (qi < Sq) {
-        const PK_ACC_T inv = (l == (PK_ACC_T)0) ? (PK_ACC_T)0 : (PK_ACC_T)1 / l;
-        for (int d = 0; d < DV; ++d) PK_STORE_T(O, (bh * Sq + qi) * DV + d, acc[d] * inv);
+    for (int t = 0; t < TQ; ++t) {
+        const int qi = q0 + t;
+        if (qi >= Sq) continue;
+        const PK_ACC_T inv = (l[t] == (PK_ACC_T)0) ? (PK_ACC_T)0 : (PK_ACC_T)1 / l[t];
+#if AT_VEC
+        PK_ACC_T* ar = (PK_ACC_T*)&acc[t][0];
+        for (int d = 0; d < DV; ++d) PK_STORE_T(O, (bh * Sq + qi) * DV + d, ar[d] * inv);
+#else
+        for (int d = 0; d < DV; ++d) PK_STORE_T(O, (bh * Sq + qi) * DV + d, acc[t][d] * inv);
+#endif
     }
 }

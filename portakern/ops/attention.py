@@ -25,6 +25,7 @@ from ..dtypes import dtype_name
 from ..errors import InvalidArgumentError, ShapeError
 from ..spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
 from ._common import broadcast_strides, cdiv, kernel_source, need_rank
+from .attention_pallas import build as pallas_build  # imports jax only when called
 
 LOCAL_BUDGET_BYTES = 32 * 1024  # K/V tiles must fit this; BK is capped to honour it
 
@@ -122,7 +123,8 @@ def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
 
 def effective_bk(p: Problem, cfg: Mapping[str, int]) -> int:
     """BK capped so that K and V tiles fit LOCAL_BUDGET_BYTES (documented, deterministic)."""
-    width = max(1, p.derived["D"]) + max(1, p.derived["Dv"])
+    vec = max(1, cfg.get("VEC", 1))
+    width = max(1, p.derived["D"]) + -(-max(1, p.derived["Dv"]) // vec) * vec
     esz = p.info.compute.itemsize
     cap = max(1, LOCAL_BUDGET_BYTES // (width * esz))
     bk = cfg["BK"]
@@ -132,13 +134,13 @@ def effective_bk(p: Problem, cfg: Mapping[str, int]) -> int:
 
 
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
-    return {"BQ": cfg["BQ"], "BK": effective_bk(p, cfg), "DQ": p.derived["D"],
-            "DV": p.derived["Dv"]}
+    return {"BQ": cfg["BQ"], "BK": effective_bk(p, cfg), "TQ": cfg["TQ"], "VEC": cfg["VEC"],
+            "DQ": p.derived["D"], "DV": p.derived["Dv"]}
 
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     d = p.derived
-    nqb = cdiv(d["Sq"], cfg["BQ"])
+    nqb = cdiv(d["Sq"], cfg["BQ"] * cfg["TQ"])
     ms = d["mask_strides"]
     has_mask = p.shapes["mask"] is not None
     args = (Buf("q"), Buf("k"), Buf("v"), Buf("mask" if has_mask else "q"), Buf("out"),
@@ -155,7 +157,8 @@ def cost(p: Problem) -> Cost:
         pairs = sum(min(i + 1, d["Sk"]) for i in range(d["Sq"])) if d["Sq"] < 1 << 16 else pairs / 2
     bh = d["B"] * d["Hq"]
     isz = p.info.storage.itemsize
-    nbytes = isz * (bh * d["Sq"] * (d["D"] + d["Dv"]) + d["B"] * d["Hkv"] * d["Sk"] * (d["D"] + d["Dv"]))
+    width = d["D"] + d["Dv"]
+    nbytes = isz * (bh * d["Sq"] * width + d["B"] * d["Hkv"] * d["Sk"] * width)
     return Cost(flops=2.0 * bh * pairs * (d["D"] + d["Dv"]), bytes=float(nbytes))
 
 
@@ -187,7 +190,8 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
 
 SPEC = KernelSpec(
     name="attention",
-    operands=(Operand("q"), Operand("k"), Operand("v"), Operand("mask", kind="bool", optional=True)),
+    operands=(Operand("q"), Operand("k"), Operand("v"),
+              Operand("mask", kind="bool", optional=True)),
     params={"causal": False, "scale": None},
     validate=validate,
     semantics=semantics,
@@ -198,7 +202,11 @@ SPEC = KernelSpec(
     cost=cost,
     tolerance=tolerance,
     tunables=(Tunable("BQ", (1, 2, 4, 8, 16, 32, 64, 128, 256), "queries per work-group"),
-              Tunable("BK", (1, 2, 4, 8, 16, 32, 64, 128), "keys per local-memory tile")),
-    schedules={"gpu": {"BQ": 64, "BK": 32}, "cpu": {"BQ": 16, "BK": 32}},
+              Tunable("BK", (1, 2, 4, 8, 16, 32, 64, 128), "keys per local-memory tile"),
+              Tunable("TQ", (1, 2, 4, 8), "queries per work-item (register blocking)"),
+              Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes (CPU schedule, OpenCL)")),
+    schedules={"gpu": {"BQ": 64, "BK": 32, "TQ": 1, "VEC": 1},
+               "cpu": {"BQ": 8, "BK": 64, "TQ": 4, "VEC": 16}},
+    pallas=pallas_build,
     doc="Fused attention with online softmax; GQA, causal and boolean masks.",
 )

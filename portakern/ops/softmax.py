@@ -23,7 +23,6 @@ from ..errors import InvalidArgumentError
 from ..spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
 from ._common import kernel_source, need_rank
 
-
 # "no value yet" for the vector path: below every finite value of the compute type
 LOWEST = {"float32": -3.4028234663852886e38, "float64": -1.7976931348623157e308}
 

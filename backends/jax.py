@@ -1,0 +1,381 @@
+"""jax: each op's array-API semantics lowered by XLA under jax.jit, plus Pallas kernels.
+
+Selectors: ``jax`` (the default device: the first accelerator, else the CPU), ``jax:cpu``,
+``jax:gpu``, ``jax:tpu`` (the first device of that kind), ``jax:N`` (index N of this backend's
+device list: ``jax.devices()`` first, then the CPU devices when the default platform is an
+accelerator), and ``jax:pallas`` (the Pallas path on the default device; ``jax:pallas_cpu``,
+``jax:pallas_N`` pick another). On the Pallas path an op with a Pallas kernel (``spec.pallas``:
+attention) runs it — through Pallas' interpreter when the device is a CPU — and every other op
+uses the XLA path.
+
+Why this shape: the semantics are the single source of truth, so lowering them with
+jax.numpy gives every op on CPU, GPU and TPU for free, and makes every op traceable: inside
+``jax.jit``, ``jax.vmap``, ``jax.grad`` and ``shard_map`` our inputs are tracers, which this
+backend accepts as native arrays, so portakern composes with JAX's transformations and its
+distributed runtime instead of reinventing them.
+
+Numerics (pinned, so results do not depend on the chip's default matmul mode): float16 and
+bfloat16 are widened to float32 before any arithmetic and the result is rounded back to the
+input dtype; every matmul runs with precision=HIGHEST and preferred_element_type = the compute
+dtype, so TPUs never drop to one-pass bf16 and GPUs never to TF32. float64 needs
+``jax_enable_x64`` (off by default in JAX); without it float64 is not a supported dtype.
+
+Arrays: numpy in -> numpy out (one counted upload per operand, one counted download);
+``jax.Array`` (or a tracer) in -> ``jax.Array`` out with no host copy. jax Arrays run where
+they live (their device or sharding decides, as in JAX itself); the selected device decides
+where numpy inputs are placed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from portakern import dtypes
+from portakern.errors import (
+    BackendUnavailable,
+    InvalidArgumentError,
+    UnknownBackendError,
+    UnsupportedDTypeError,
+)
+from portakern.spec import KernelSpec, Problem
+
+from .base import Availability, Backend, DeviceInfo
+
+try:  # optional dependency: guarded, with an install hint in the availability record
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    _IMPORT_ERROR: Exception | None = None
+except Exception as exc:  # pragma: no cover - depends on the machine
+    jax = jnp = lax = None  # type: ignore[assignment]
+    _IMPORT_ERROR = exc
+
+INSTALL_HINT = "pip install 'portakern[jax]'"
+_KINDS = ("cpu", "gpu", "tpu")
+_KIND_FIX = {
+    "gpu": "install a CUDA or ROCm build of jax (pip install -U 'jax[cuda12]') on a machine "
+           "with a GPU, or use jax:cpu",
+    "tpu": "run on a TPU VM with pip install -U 'jax[tpu]', or use jax:cpu",
+    "cpu": "the CPU platform is always present in jaxlib; check JAX_PLATFORMS",
+}
+
+
+def _kind(platform: str) -> str:
+    p = platform.lower()
+    if p in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    if p in ("cpu", "tpu"):
+        return p
+    return "accelerator"
+
+
+def _device_list() -> list[Any]:
+    """jax.devices() (default platform) followed by the CPU devices if the default isn't CPU."""
+    devs = list(jax.devices())
+    if devs and devs[0].platform != "cpu":
+        try:
+            devs += [d for d in jax.devices("cpu") if d not in devs]
+        except RuntimeError:  # JAX_PLATFORMS may exclude the CPU
+            pass
+    return devs
+
+
+def x64_enabled() -> bool:
+    """Whether jax keeps float64 (``jax_enable_x64``); read at call time, it can change."""
+    return bool(jax is not None and jax.config.read("jax_enable_x64"))
+
+
+def _is_tracer(x: object) -> bool:
+    return jax is not None and isinstance(x, jax.core.Tracer)
+
+
+class _HighestPrecisionNumpy:
+    """jax.numpy for the semantics, except that ``matmul`` pins precision.
+
+    ``precision=HIGHEST`` keeps float32 products exact on TPUs (no one-pass bf16) and on
+    GPUs (no TF32); ``preferred_element_type`` keeps accumulation in the compute dtype.
+    """
+
+    __name__ = "portakern.backends.jax.xp"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jnp, name)
+
+    @staticmethod
+    def matmul(a: Any, b: Any) -> Any:
+        return jnp.matmul(a, b, precision=lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.result_type(a, b))
+
+
+XP = _HighestPrecisionNumpy()
+
+
+def lower_semantics(spec: KernelSpec, params: Mapping[str, Any], dtype: str) -> Any:
+    """``f(*operands)``: spec.semantics with jax.numpy in the compute dtype, cast back.
+
+    Not jitted here, so the Pallas path can reuse it as the reference whose VJP is its
+    backward pass.
+    """
+    info = dtypes.info(dtype)
+    compute, storage = np.dtype(info.compute), np.dtype(info.storage)
+    kinds = tuple(o.kind for o in spec.operands)
+    static = dict(params)
+
+    def lowered(*arrays: Any) -> Any:
+        args = [None if x is None else (x.astype(bool) if kind == "bool" else x.astype(compute))
+                for x, kind in zip(arrays, kinds, strict=True)]
+        return spec.semantics(XP, *args, **static).astype(storage)
+
+    return lowered
+
+
+def _freeze(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((k, v if isinstance(v, (int, float, bool, str, type(None))) else repr(v))
+                        for k, v in params.items()))
+
+
+class JaxBackend(Backend):
+    name = "jax"
+    array_modules = ("jax", "jaxlib")
+    install_hint = INSTALL_HINT
+
+    # --- probing --------------------------------------------------------------------------
+    @classmethod
+    def _probe(cls) -> Availability:
+        if jax is None:
+            return Availability(False, f"jax is not importable ({_IMPORT_ERROR})", INSTALL_HINT)
+        import jaxlib
+
+        versions = {"jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", "?")}
+        try:
+            devs = _device_list()
+        except RuntimeError as exc:
+            return Availability(False, f"jax found no usable platform ({exc})",
+                                "check JAX_PLATFORMS and the jaxlib/plugin installation",
+                                versions)
+        if not devs:
+            return Availability(False, "jax.devices() is empty",
+                                "check JAX_PLATFORMS and the jaxlib/plugin installation",
+                                versions)
+        infos = []
+        for i, d in enumerate(devs):
+            kind = _kind(d.platform)
+            try:
+                pv = str(d.client.platform_version).strip()
+            except Exception:
+                pv = ""
+            plat = d.platform if pv in ("", d.platform) else f"{d.platform} ({pv})"
+            vendor = ("Google" if kind == "tpu" else "AMD" if "rocm" in pv.lower()
+                      else "NVIDIA" if kind == "gpu" else "")
+            infos.append(DeviceInfo(
+                index=i, name=str(getattr(d, "device_kind", d.platform)), kind=kind,
+                vendor=vendor, driver=f"jaxlib {versions['jaxlib']}", platform=plat,
+                fp64=x64_enabled() and kind != "tpu",
+                compute_units=int(getattr(d, "core_count", 1) or 1),
+                extra={"jax_id": int(d.id), "process_index": int(d.process_index)}))
+        return Availability(True, versions=versions, devices=infos)
+
+    @classmethod
+    def auto_choices(cls) -> list[tuple[int, str, str]]:
+        av = cls.probe()
+        if not av.available:
+            return []
+        d = av.devices[0]
+        score = {"tpu": 90, "gpu": 60, "cpu": 20}.get(d.kind, 50)
+        return [(score, "jax", f"JAX/XLA on {d.kind} {d.name}")]
+
+    @classmethod
+    def test_targets(cls) -> list[str]:
+        av = cls.probe()
+        if not av.available:
+            return []
+        return [f"jax:{_default(av.devices).kind}", "jax:pallas"]
+
+    # --- instance -------------------------------------------------------------------------
+    def _open(self, selector: str | None) -> DeviceInfo:
+        av = self.probe()
+        if not av.available:
+            raise BackendUnavailable(f"jax cannot run here: {av.reason}. Fix: {av.fix}.")
+        self.pallas = False
+        sel = (selector or "").strip()
+        if sel == "pallas" or sel.startswith("pallas_"):
+            self.pallas = True
+            sel = sel[len("pallas_"):] if sel.startswith("pallas_") else ""
+        if sel == "":
+            info = _default(av.devices)
+        elif sel in _KINDS:
+            found = [d for d in av.devices if d.kind == sel]
+            if not found:
+                raise BackendUnavailable(
+                    f"jax:{selector} asks for a {sel} device but jax sees only "
+                    + ", ".join(f"jax:{d.index} = {d.kind} {d.name}" for d in av.devices)
+                    + f". Fix: {_KIND_FIX[sel]}.")
+            info = found[0]
+        elif sel.isdigit():
+            idx = int(sel)
+            if idx >= len(av.devices):
+                raise BackendUnavailable(
+                    f"jax:{selector} does not exist; jax has {len(av.devices)} device(s): "
+                    + ", ".join(f"jax:{d.index} = {d.kind} {d.name}" for d in av.devices)
+                    + ". Pick one of those indices.")
+            info = av.devices[idx]
+        else:
+            raise UnknownBackendError(
+                f"jax device selector {selector!r} is not understood; expected jax, jax:cpu, "
+                "jax:gpu, jax:tpu, jax:N (device index), jax:pallas, jax:pallas_cpu|gpu|tpu|N.")
+        self._jax_device = _device_list()[info.index]
+        self._fns: dict[tuple, Any] = {}
+        self._fn_lock = threading.Lock()
+        self._pending: Any = None
+        self.dlpack_imports = 0
+        return info
+
+    @property
+    def label(self) -> str:
+        return f"jax:pallas_{self.device.index}" if self.pallas else f"jax:{self.device.index}"
+
+    @property
+    def interpret(self) -> bool:
+        """Pallas runs through its interpreter on CPUs (no Pallas CPU lowering exists)."""
+        return self.device.kind == "cpu"
+
+    def describe(self) -> str:
+        path = "Pallas kernels" + (" (interpret mode)" if self.interpret else "") \
+            if self.pallas else "XLA"
+        return f"{self.label} ({self.device.kind} {self.device.name}, {path})"
+
+    def supported_dtypes(self) -> tuple[str, ...]:
+        base = ("float32", "float16", "bfloat16")
+        return base + ("float64",) if x64_enabled() and self.device.kind != "tpu" else base
+
+    def check_dtype(self, spec: KernelSpec, prob: Problem) -> None:
+        if prob.dtype == "float64" and "float64" not in self.supported_dtypes():
+            if self.device.kind == "tpu":
+                fix = "TPUs have no float64; cast to float32 or run on jax:cpu"
+            else:
+                fix = ("enable 64-bit mode before creating arrays: "
+                       "jax.config.update('jax_enable_x64', True) or JAX_ENABLE_X64=1; "
+                       "or cast to float32")
+            raise UnsupportedDTypeError(
+                f"{spec.name}: dtype float64 cannot run on {self.describe()}: JAX computes in "
+                f"float32 unless jax_enable_x64 is on (it is "
+                f"{'on' if x64_enabled() else 'off'}). Fix: {fix}.")
+        super().check_dtype(spec, prob)
+
+    # --- arrays ---------------------------------------------------------------------------
+    def is_native(self, x: object) -> bool:
+        return jax is not None and (isinstance(x, jax.Array) or _is_tracer(x))
+
+    def to_native(self, x: np.ndarray) -> Any:
+        self.transfers.add("h2d", x.nbytes)
+        return jax.device_put(x, self._jax_device)
+
+    def to_numpy(self, x: Any) -> Any:
+        if _is_tracer(x):  # numpy operands inside a trace give a traced result, as jnp does
+            return x
+        self.transfers.add("d2h", int(x.nbytes))
+        return np.asarray(jax.device_get(x))
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
+        with jax.default_device(self._jax_device):
+            return jnp.zeros(shape, dtypes.info(dtype).storage)
+
+    def synchronize(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            jax.block_until_ready(pending)
+
+    def from_foreign(self, x: Any) -> Any:
+        """Import another framework's array (CuPy, numpy, torch, ...) through DLPack.
+
+        Used by ``portakern.to_backend``. Counted as one h2d transfer of x.nbytes (the data
+        enters this backend from outside, whether DLPack aliased it or copied it) and in
+        ``self.dlpack_imports``. Like ``jax.dlpack.from_dlpack`` the result may share memory
+        with ``x``: do not mutate ``x`` afterwards (pass ``x.copy()`` if you must). Returns
+        None (caller falls back to a counted host copy) where DLPack cannot carry the array,
+        e.g. ml_dtypes bfloat16 numpy arrays or a GPU array on a CPU-only jax.
+        """
+        if not hasattr(x, "__dlpack__"):
+            return None
+        try:
+            got = jax.dlpack.from_dlpack(x)
+        except Exception:
+            got = None
+        if got is None:
+            if isinstance(x, np.ndarray):
+                return None
+            host = x.get() if hasattr(x, "get") else np.asarray(x)  # e.g. CuPy without a GPU jax
+            return self.to_native(np.ascontiguousarray(host))
+        if self._jax_device not in got.devices():
+            got = jax.device_put(got, self._jax_device)  # device-to-device, no host copy
+        self.transfers.add("h2d", int(got.nbytes))
+        self.dlpack_imports += 1
+        return got
+
+    # --- execution ------------------------------------------------------------------------
+    def compiled(self, spec: KernelSpec, prob: Problem,
+                 config: Mapping[str, int] | None = None) -> Any:
+        """The jitted callable for (spec, static params, dtype, path, blocks); built once."""
+        use_pallas = self.pallas and spec.pallas is not None
+        blocks = self._pallas_blocks(spec, prob, config) if use_pallas else None
+        if not use_pallas and config:
+            spec.config(self.device_class, config, prob)  # same validation as other backends
+        key = (spec.name, id(spec), _freeze(prob.params), prob.dtype, use_pallas,
+               tuple(sorted((blocks or {}).items())))
+        fn = self._fns.get(key)
+        if fn is None:
+            with self._fn_lock:
+                fn = self._fns.get(key)
+                if fn is None:
+                    lowered = lower_semantics(spec, prob.params, prob.dtype)
+                    if use_pallas:
+                        kernel = spec.pallas(prob, self.interpret, platform=self.device.kind,
+                                             reference=lowered, **(blocks or {}))
+                        fn = jax.jit(kernel)
+                    else:
+                        fn = jax.jit(lowered)
+                    self._fns[key] = fn
+        return fn
+
+    def _pallas_blocks(self, spec: KernelSpec, prob: Problem,
+                       config: Mapping[str, int] | None) -> dict[str, int]:
+        """config for the Pallas path: block_q/block_k, or the C kernel's BQ/BK as aliases."""
+        if not config:
+            return {}
+        alias = {"BQ": "block_q", "BK": "block_k"}
+        out: dict[str, int] = {}
+        for k, v in config.items():
+            if k in alias:
+                spec.config(self.device_class, {k: v}, prob)
+                out[alias[k]] = int(v)
+            elif k in ("block_q", "block_k"):
+                out[k] = v
+            else:
+                raise InvalidArgumentError(
+                    f"{spec.name} on {self.label}: unknown tunable {k!r}; the Pallas kernel "
+                    "takes block_q and block_k (or BQ/BK).")
+        from portakern.ops.attention_pallas import block_config
+
+        block_config(self.device.kind, out)  # validate domains now, not at trace time
+        return out
+
+    def execute(self, spec: KernelSpec, prob: Problem, ins: dict[str, Any],
+                config: Mapping[str, int] | None) -> Any:
+        fn = self.compiled(spec, prob, config)
+        out = fn(*[ins.get(o.name) for o in spec.operands])
+        if not _is_tracer(out):
+            self._pending = out
+        return out
+
+
+def _default(devices: list[DeviceInfo]) -> DeviceInfo:
+    acc = [d for d in devices if d.kind != "cpu"]
+    return (acc or devices)[0]
+
+
+__all__ = ["XP", "JaxBackend", "lower_semantics", "x64_enabled"]
