@@ -43,8 +43,20 @@ def parse(text: str, origin: str = "backend") -> tuple[str, str | None]:
     return name, dev
 
 
+_by_text: dict[str, Backend] = {}
+
+
 def get(text: str, origin: str = "backend") -> Backend:
     """The backend instance for 'name[:device]', created once and reused (thread-safe)."""
+    inst = _by_text.get(text) if isinstance(text, str) else None
+    if inst is not None:  # hot path: no parsing, no registry lookups
+        return inst
+    inst = _get(text, origin)
+    _by_text[text] = inst
+    return inst
+
+
+def _get(text: str, origin: str) -> Backend:
     name, dev = parse(text, origin)
     key = (name, dev)
     inst = _instances.get(key)

@@ -1,0 +1,234 @@
+"""The environment a result was measured in: enough to tell two machines (or two driver
+versions on one machine) apart when result files from a fleet are merged.
+
+Everything is collected defensively: a missing tool (no nvidia-smi, no git, no jax) becomes a
+recorded reason, never a crash, because the machines this runs on differ by design.
+"""
+
+from __future__ import annotations
+
+import datetime
+import getpass
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIXES = ("OPENBLAS_", "OMP_", "MKL_", "GOTO_", "BLIS_", "CUPY_", "CUDA_", "XLA_",
+                "JAX_", "TF_", "POCL_", "PYOPENCL_", "PORTAKERN_", "NVIDIA_", "HIP_", "ROCR_")
+PACKAGES = ("numpy", "pyopencl", "jax", "jaxlib", "cupy-cuda12x", "cupy-cuda11x", "cupy-rocm-5-0",
+            "cupy", "pyclblast", "threadpoolctl", "matplotlib", "ml_dtypes", "portakern",
+            "jax-cuda12-plugin", "nvidia-cuda-nvrtc-cu12")
+
+
+def _run(cmd: list[str], timeout: float = 10.0, cwd: str | None = None) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def cpu_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"machine": platform.machine(), "processor": platform.processor(),
+                            "logical_cpus": os.cpu_count()}
+    try:
+        info["usable_cpus"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        pass
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        for line in text.splitlines():
+            if line.lower().startswith("model name"):
+                info["model"] = line.split(":", 1)[1].strip()
+                break
+        for line in text.splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                info["simd"] = sorted(f for f in flags if f.startswith(("avx", "fma", "sse4"))
+                                      or f in ("neon", "asimd", "sve"))
+                break
+    except OSError:
+        pass
+    try:
+        mem = Path("/proc/meminfo").read_text().splitlines()[0]
+        info["memory_kib"] = int(mem.split()[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return info
+
+
+def gpu_info() -> dict[str, Any]:
+    """GPU model, memory and driver from nvidia-smi / rocm-smi, and CUDA versions via cupy."""
+    out: dict[str, Any] = {}
+    smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,pci.bus_id",
+                "--format=csv,noheader"])
+    if smi:
+        out["nvidia_smi"] = [dict(zip(("name", "driver", "memory", "pci_bus_id"),
+                                      (p.strip() for p in row.split(",")), strict=False))
+                             for row in smi.splitlines()]
+    rocm = _run(["rocm-smi", "--showproductname"])
+    if rocm:
+        out["rocm_smi"] = rocm[:2000]
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        out["cupy"] = cupy.__version__
+        try:
+            out["cuda_runtime"] = rt.runtimeGetVersion()
+            out["cuda_driver"] = rt.driverGetVersion()
+            n = rt.getDeviceCount()
+            devs = []
+            for i in range(n):
+                p = rt.getDeviceProperties(i)
+                name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
+                devs.append({"index": i, "name": name, "cc": f"{p['major']}.{p['minor']}",
+                             "memory_bytes": int(p["totalGlobalMem"]),
+                             "sms": int(p["multiProcessorCount"])})
+            out["cuda_devices"] = devs
+        except Exception as exc:
+            out["cuda_error"] = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:
+        out["cupy_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def jax_info() -> dict[str, Any]:
+    try:
+        import jax
+
+        return {"jax": jax.__version__, "default_backend": jax.default_backend(),
+                "devices": [str(d) for d in jax.devices()],
+                "device_kinds": [getattr(d, "device_kind", "") for d in jax.devices()]}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def opencl_info() -> dict[str, Any]:
+    try:
+        from .. import backends as registry
+
+        av = registry.availability("opencl")
+        return av.as_dict()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def relevant_env() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def git_info() -> dict[str, Any]:
+    """Commit and dirtiness of the portakern checkout (read-only git commands only)."""
+    root = Path(__file__).resolve().parents[2]
+    head = _run(["git", "rev-parse", "HEAD"], cwd=str(root))
+    if head is None:
+        return {"commit": None, "note": f"{root} is not a git checkout (or git is missing)"}
+    # --no-optional-locks: never refresh (write) the index while others work in this tree
+    st = _run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"],
+              cwd=str(root))
+    branch = _run(["git", "rev-parse", "--abbrev-ref", "HEAD"], cwd=str(root))
+    return {"commit": head, "branch": branch,
+            "dirty_files": None if st is None else len([x for x in st.splitlines() if x])}
+
+
+def machine_id() -> str | None:
+    for p in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            return Path(p).read_text().strip() or None
+        except OSError:
+            continue
+    return None
+
+
+def collect() -> dict[str, Any]:
+    """The whole environment record of a result file."""
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = None
+    return {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(), "machine_id": machine_id(), "user": user,
+        "platform": platform.platform(), "python": sys.version, "executable": sys.executable,
+        "cpu": cpu_info(), "gpu": gpu_info(), "opencl": opencl_info(), "jax": jax_info(),
+        "versions": versions(), "env": relevant_env(), "git": git_info(),
+    }
+
+
+class CpuMeter:
+    """CPU time that *other* processes used while a case ran (Linux /proc; else nothing).
+
+    Why: on a shared machine another job's threads steal cores from ours and from the peers,
+    unevenly, so a ratio can be off without anything looking wrong. The system's busy time
+    minus our own processes' CPU time (this process and the numpy peer child) over the same
+    interval is the foreign load; the hypervisor's steal time is recorded beside it.
+    """
+
+    def __init__(self) -> None:
+        try:
+            self.tick = float(os.sysconf("SC_CLK_TCK"))
+        except (AttributeError, ValueError, OSError):
+            self.tick = 100.0
+        self.ncpu = os.cpu_count() or 1
+
+    @staticmethod
+    def _system() -> tuple[float, float] | None:
+        try:
+            fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        except (OSError, IndexError):
+            return None
+        v = [float(x) for x in fields[1:]]
+        v += [0.0] * (8 - len(v))
+        busy = v[0] + v[1] + v[2] + v[5] + v[6]  # user nice system irq softirq
+        return busy, v[7]  # steal
+
+    def _process(self, pid: int | str) -> float:
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return 0.0
+        rest = text.rsplit(")", 1)[-1].split()
+        return (float(rest[11]) + float(rest[12]))  # utime, stime (fields 14, 15)
+
+    def snapshot(self, pids: tuple[int, ...] = ()) -> dict[str, float] | None:
+        sysv = self._system()
+        if sysv is None:
+            return None
+        import time
+
+        ours = self._process("self") + sum(self._process(p) for p in pids)
+        return {"busy": sysv[0], "steal": sysv[1], "ours": ours, "wall": time.monotonic()}
+
+    def since(self, before: dict[str, float] | None, pids: tuple[int, ...] = ()
+              ) -> dict[str, float] | None:
+        after = self.snapshot(pids)
+        if before is None or after is None:
+            return None
+        wall = after["wall"] - before["wall"]
+        if wall <= 0:
+            return None
+        other = max(0.0, (after["busy"] - before["busy"]) - (after["ours"] - before["ours"]))
+        other /= self.tick
+        steal = (after["steal"] - before["steal"]) / self.tick
+        cap = wall * self.ncpu
+        return {"wall_s": wall, "other_cpu_s": other, "other_share": other / cap,
+                "steal_share": steal / cap}

@@ -1,0 +1,127 @@
+"""The benchmark's arithmetic: efficiency, performance portability, roofline. Pure functions.
+
+Definitions (docs/bench.md explains each column):
+
+- application efficiency of a case on one platform = peer time / our time, with the peer the
+  fastest native implementation measured on that same device in the same run. 1.0 means we
+  match the vendor library, 0.25 means we take 4x as long; above 1.0 we beat it (Pennycook's
+  strict form caps at 1 because "best known" would then be us; we keep the raw ratio so the
+  table shows by how much, and ``cap=True`` gives the strict form).
+- performance portability (Pennycook, Sewall, Lee 2016) of a case over a platform set H:
+  |H| / sum_i 1/e_i (the harmonic mean) if every platform in H runs the case, else 0. A
+  platform that cannot run it is not dropped: dropping it would call a kernel "portable"
+  exactly where it is not.
+- roofline (Williams, Waterman, Patterson 2009): attainable FLOP/s = min(peak, bw * I) with
+  I = flops / bytes of the op's cost model; the equivalent time bound is
+  max(flops / peak, bytes / bw), and % of roofline = bound time / measured time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+def efficiency(peer_s: float | None, ours_s: float | None, *, cap: bool = False) -> float | None:
+    """Application efficiency peer_s / ours_s; None when either time is missing or invalid."""
+    if peer_s is None or ours_s is None:
+        return None
+    if not (math.isfinite(peer_s) and math.isfinite(ours_s)) or peer_s <= 0 or ours_s <= 0:
+        return None
+    e = peer_s / ours_s
+    return min(e, 1.0) if cap else e
+
+
+def best_peer(times: Mapping[str, float | None]) -> tuple[str, float] | None:
+    """The fastest peer (name, seconds) among those with a valid time; None if there is none."""
+    valid = [(t, k) for k, t in times.items() if t is not None and math.isfinite(t) and t > 0]
+    if not valid:
+        return None
+    t, k = min(valid)
+    return k, t
+
+
+def harmonic_mean(values: Iterable[float]) -> float:
+    """Harmonic mean of non-negative values; 0 if any value is 0. Raises on empty/negative."""
+    xs = [float(v) for v in values]
+    if not xs:
+        raise ValueError("harmonic_mean of no values; expected at least one.")
+    if any(x < 0 or math.isnan(x) for x in xs):
+        raise ValueError(f"harmonic_mean needs non-negative numbers; got {xs}.")
+    if any(x == 0 for x in xs):
+        return 0.0
+    return len(xs) / sum(1.0 / x for x in xs)
+
+
+@dataclass(frozen=True)
+class Portability:
+    """PP of one case over a platform set, and why it is what it is."""
+
+    value: float | None  # None: no platform in the set
+    platforms: tuple[str, ...]
+    unsupported: tuple[str, ...] = field(default=())  # platforms that cannot run the case
+
+    @property
+    def supported_everywhere(self) -> bool:
+        return not self.unsupported
+
+
+def performance_portability(efficiencies: Mapping[str, float | None]) -> Portability:
+    """Pennycook's PP over the platforms in ``efficiencies``.
+
+    A value of None means that platform cannot run the case (unsupported dtype, kernel error,
+    not runnable): PP is then 0 and the platform is named in ``unsupported``. Platforms whose
+    efficiency is merely unknown (no peer to compare with) must be left out by the caller and
+    reported as such; they are neither 0 nor 1.
+    """
+    names = tuple(efficiencies)
+    if not names:
+        return Portability(None, ())
+    unsupported = tuple(k for k, e in efficiencies.items() if e is None)
+    if unsupported:
+        return Portability(0.0, names, unsupported)
+    vals = [float(e) for e in efficiencies.values()]  # type: ignore[arg-type]
+    return Portability(harmonic_mean(vals), names, ())
+
+
+def intensity(flops: float, nbytes: float) -> float:
+    """Arithmetic intensity in FLOP per byte of compulsory traffic (inf when no bytes)."""
+    return flops / nbytes if nbytes > 0 else math.inf
+
+
+def roofline_gflops(peak_gflops: float, bw_gbs: float, arith_intensity: float) -> float:
+    """Attainable GFLOP/s = min(peak, bandwidth * intensity)."""
+    if peak_gflops <= 0 or bw_gbs <= 0:
+        raise ValueError(f"roofline needs positive peak and bandwidth; got peak={peak_gflops}, "
+                         f"bw={bw_gbs}. Run the probes on this device first.")
+    return min(peak_gflops, bw_gbs * arith_intensity)
+
+
+def roofline_time(flops: float, nbytes: float, peak_gflops: float, bw_gbs: float) -> float:
+    """Lower bound on time (s): max(flops / peak, bytes / bw)."""
+    if peak_gflops <= 0 or bw_gbs <= 0:
+        raise ValueError(f"roofline needs positive peak and bandwidth; got peak={peak_gflops}, "
+                         f"bw={bw_gbs}.")
+    return max(flops / (peak_gflops * 1e9), nbytes / (bw_gbs * 1e9))
+
+
+def bound_kind(flops: float, nbytes: float, peak_gflops: float, bw_gbs: float) -> str:
+    """'compute' or 'memory': which roof limits the case on this device."""
+    return "compute" if flops / (peak_gflops * 1e9) >= nbytes / (bw_gbs * 1e9) else "memory"
+
+
+def pct_of_roofline(measured_s: float, flops: float, nbytes: float, peak_gflops: float,
+                    bw_gbs: float) -> float:
+    """100 * roofline time / measured time (100 = at the roof; above 100 = the probes
+    underestimate the device, e.g. a peer using tensor cores or the cache)."""
+    if measured_s <= 0:
+        raise ValueError(f"measured time must be positive; got {measured_s}.")
+    return 100.0 * roofline_time(flops, nbytes, peak_gflops, bw_gbs) / measured_s
+
+
+def achieved(measured_s: float, flops: float, nbytes: float) -> tuple[float, float]:
+    """(GFLOP/s, GB/s) achieved, from the cost model's flops and compulsory bytes."""
+    if measured_s <= 0:
+        raise ValueError(f"measured time must be positive; got {measured_s}.")
+    return flops / measured_s / 1e9, nbytes / measured_s / 1e9

@@ -1,0 +1,388 @@
+"""Native peers: the best implementation of each op that the device's own vendor stack has.
+
+A peer runs on the *same device* as the portakern target it is compared with, in the same
+run, on inputs already resident where it computes (uploads are never timed):
+
+- numpy  — numpy/OpenBLAS (or whatever BLAS numpy loaded) on a CPU target, in a subprocess
+  started without OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE (see numpy_worker.py);
+- xla    — jax.jit of the plain jnp expression (precision HIGHEST, so fp32 is not TF32 on
+  GPUs) on the jax device of the same kind;
+- clblast — CLBlast's GEMM through pyclblast on the OpenCL target's own context and queue;
+- cublas — cupy.matmul (cuBLAS, or hipBLAS under ROCm) with CUPY_TF32=0, on the CUDA device;
+- cupy   — cupy's elementwise softmax expression on the CUDA device;
+- cudnn  — jax.nn.dot_product_attention(implementation="cudnn") on an NVIDIA GPU.
+
+A peer that cannot run is recorded with the reason (missing library, no such device, dtype it
+does not support) instead of being silently left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..backends.base import Backend
+from .suites import Case
+from .timing import Measurement, TimingConfig, measure, not_run
+
+PEER_KEYS = ("numpy", "xla", "clblast", "cublas", "cupy", "cudnn")
+PEER_NAMES = {"numpy": "numpy/BLAS", "xla": "XLA (jax.jit)", "clblast": "CLBlast (pyclblast)",
+              "cublas": "cuBLAS (cupy.matmul)", "cupy": "cupy (elementwise)",
+              "cudnn": "cuDNN attention (jax)"}
+UNSET_FOR_NUMPY = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def applicable(op: str, be: Backend) -> list[str]:
+    """Peers that make sense for ``op`` on ``be``'s device (each may still be unavailable)."""
+    keys: list[str] = []
+    if be.device.kind == "cpu":
+        keys.append("numpy")
+    keys.append("xla")
+    if op == "matmul" and be.name == "opencl":
+        keys.append("clblast")
+    if be.device.kind == "gpu":
+        if op == "matmul":
+            keys.append("cublas")
+        if op == "softmax":
+            keys.append("cupy")
+        if op == "attention":
+            keys.append("cudnn")
+    return keys
+
+
+# --- numpy in its own process ---------------------------------------------------------------
+class NumpyWorker:
+    """A long-lived child process serving numpy peer measurements (numpy_worker.py)."""
+
+    def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in UNSET_FOR_NUMPY}
+        self.unset = [k for k in UNSET_FOR_NUMPY if k in os.environ]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "portakern.bench.numpy_worker"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
+        self.hello = self._read()
+        if self.hello.get("kind") != "hello":
+            raise RuntimeError(f"numpy peer process sent {self.hello!r} instead of its hello "
+                               "record; expected JSON lines from portakern.bench.numpy_worker.")
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.poll()
+            raise RuntimeError(f"the numpy peer process ended (exit code {code}); its stderr "
+                               "above says why. Run python -m portakern.bench.numpy_worker "
+                               "to reproduce.")
+        return json.loads(line)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        blas = self.hello.get("blas", {})
+        return {"blas": blas.get("name"), "blas_version": blas.get("version"),
+                "architecture": blas.get("architecture"), "threads": blas.get("threads"),
+                "numpy": self.hello.get("numpy"), "env_seen": self.hello.get("env"),
+                "unset_for_this_process": self.unset, "pid": self.hello.get("pid")}
+
+    def run(self, case: Case, timing: TimingConfig) -> Measurement:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"case": case.as_dict(),
+                                          "timing": timing.as_dict()}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read()
+        if reply.get("kind") == "error":
+            return not_run("error", reply.get("error", "unknown error"))
+        m = Measurement.from_dict(reply["measurement"])
+        m.info.update(self.info)
+        return m
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.proc.kill()  # our own child, by handle
+                self.proc.wait()
+
+
+# --- device matching -------------------------------------------------------------------------
+def _same_name(a: str, b: str) -> bool:
+    a, b = a.lower().strip(), b.lower().strip()
+    return bool(a) and bool(b) and (a == b or a in b or b in a)
+
+
+def jax_device_for(be: Backend) -> tuple[Any, str]:
+    """(jax device on the same hardware as ``be``, '') or (None, why not)."""
+    try:
+        import jax
+    except Exception as exc:
+        return None, f"jax is not importable ({exc}); pip install 'portakern[jax]'"
+    own = getattr(be, "jax_device", None) or getattr(be, "_jax_device", None)
+    if own is not None:
+        return own, ""
+    if be.device.kind == "cpu":
+        return jax.devices("cpu")[0], ""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as exc:
+        return None, f"jax has no GPU backend here ({exc}); install jax[cuda12] or jax[rocm]"
+    if be.name in ("cuda", "jax") and be.device.index < len(gpus):
+        return gpus[be.device.index], ""
+    for d in gpus:
+        if _same_name(getattr(d, "device_kind", ""), be.device.name):
+            return d, ""
+    return None, (f"no jax GPU device matches {be.device.name!r} (jax sees "
+                  f"{[getattr(d, 'device_kind', str(d)) for d in gpus]})")
+
+
+def cupy_device_for(be: Backend) -> tuple[int | None, str]:
+    """(cupy device index on the same GPU as ``be``, '') or (None, why not)."""
+    os.environ.setdefault("CUPY_TF32", "0")
+    try:
+        import cupy
+    except Exception as exc:
+        return None, f"cupy is not importable ({exc}); pip install 'portakern[cuda]'"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return None, f"cupy sees no GPU ({type(exc).__name__}: {exc})"
+    if be.name == "cuda":
+        return (be.device.index, "") if be.device.index < n else (None, "no such cupy device")
+    for i in range(n):
+        name = cupy.cuda.runtime.getDeviceProperties(i)["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if _same_name(name, be.device.name):
+            return i, ""
+    return None, f"no CUDA device matches {be.device.name!r}"
+
+
+# --- in-process peers -------------------------------------------------------------------------
+def _scale(case: Case) -> float:
+    return float(case.params.get("scale") or 1.0 / math.sqrt(case.size["D"]))
+
+
+def _xla_fn(case: Case) -> Callable[..., Any]:
+    import jax
+    import jax.numpy as jnp
+
+    hi = jax.lax.Precision.HIGHEST
+    if case.op == "matmul":
+        return jax.jit(lambda a, b: jnp.matmul(a, b, precision=hi))
+    if case.op == "softmax":
+        return jax.jit(lambda x: jax.nn.softmax(x, axis=-1))
+    if case.op == "attention":
+        s = case.size
+        B, Hq, Hkv, Sq, Sk, D = s["B"], s["Hq"], s["Hkv"], s["Sq"], s["Sk"], s["D"]
+        g, scale, causal = Hq // Hkv, _scale(case), bool(case.params.get("causal"))
+
+        def attention(q: Any, k: Any, v: Any) -> Any:
+            qg = q.reshape(B, Hkv, g, Sq, D)
+            sc = jnp.einsum("bkgqd,bkjd->bkgqj", qg, k, precision=hi) * scale
+            if causal:
+                keep = jnp.arange(Sq)[:, None] >= jnp.arange(Sk)[None, :]
+                sc = jnp.where(keep, sc, -jnp.inf)
+            p = jax.nn.softmax(sc, axis=-1)
+            o = jnp.einsum("bkgqj,bkjd->bkgqd", p, v, precision=hi)
+            return o.reshape(B, Hq, Sq, v.shape[-1])
+
+        return jax.jit(attention)
+    raise ValueError(f"xla peer: no expression for op {case.op!r}")
+
+
+XLA_WHAT = {"matmul": "jax.jit(jnp.matmul, precision=HIGHEST)",
+            "softmax": "jax.jit(jax.nn.softmax(x, axis=-1))",
+            "attention": "jax.jit(einsum q.k^T * scale -> jax.nn.softmax -> einsum p.v, "
+                         "precision=HIGHEST, GQA by reshape)"}
+
+
+def _order(case: Case) -> list[str]:
+    return {"matmul": ["a", "b"], "softmax": ["x"], "attention": ["q", "k", "v"]}[case.op]
+
+
+def run_xla(be: Backend, case: Case, host: Mapping[str, np.ndarray], timing: TimingConfig
+            ) -> Measurement:
+    dev, why = jax_device_for(be)
+    what = XLA_WHAT.get(case.op, case.op)
+    if dev is None:
+        return not_run("unavailable", why, what)
+    import jax
+
+    args = [jax.device_put(host[n], dev) for n in _order(case)]
+    f = _xla_fn(case)
+    m = measure(lambda: f(*args).block_until_ready(), lambda: None, timing, what=what)
+    m.info.update(device=str(dev), jax=jax.__version__)
+    return m
+
+
+def run_clblast(be: Backend, case: Case, native: Mapping[str, Any], timing: TimingConfig
+                ) -> Measurement:
+    what = "pyclblast.gemm into a preallocated C on the target's queue"
+    try:
+        import pyclblast
+    except Exception as exc:
+        return not_run("unavailable", f"pyclblast is not importable ({exc}); apt-get install "
+                       "libclblast-dev && pip install cython pyclblast", what)
+    queue = getattr(be, "queue", None)
+    if queue is None:
+        return not_run("unavailable", f"{be.label} exposes no OpenCL queue", what)
+    if case.dtype == "bfloat16":
+        return not_run("unavailable", "CLBlast has no bfloat16 GEMM", what)
+    if case.dtype == "float16" and not be.device.extra.get("fp16_arith"):
+        return not_run("unavailable", f"CLBlast's HGEMM needs cl_khr_fp16, which "
+                       f"{be.device.name} lacks", what)
+    if case.dtype == "float64" and not be.device.fp64:
+        return not_run("unavailable", f"{be.device.name} has no fp64", what)
+    import pyopencl.array as cla
+
+    s = case.size
+    M, N, K = s["M"], s["N"], s["K"]
+    batch = int(np.prod(s.get("batch") or [1]))
+    a, b = native["a"], native["b"]
+    c = cla.empty(queue, tuple(s.get("batch") or ()) + (M, N), a.dtype)
+    if batch == 1:
+        def fn() -> None:
+            pyclblast.gemm(queue, M, N, K, a, b, c, a_ld=K, b_ld=N, c_ld=N)
+    else:
+        def fn() -> None:
+            pyclblast.gemmStridedBatched(queue, M, N, K, batch, a, b, c, K, N, N, M * K,
+                                         K * N, M * N)
+    m = measure(fn, be.synchronize, timing, what=what)
+    try:
+        from importlib.metadata import version
+
+        m.info["pyclblast"] = version("pyclblast")
+    except Exception:
+        pass
+    m.info["note"] = "output allocated once outside the timed region (CLBlast writes into C)"
+    return m
+
+
+def run_cupy(key: str, be: Backend, case: Case, host: Mapping[str, np.ndarray],
+             native: Mapping[str, Any], timing: TimingConfig) -> Measurement:
+    what = {"cublas": "cupy.matmul (CUPY_TF32=0)",
+            "cupy": "cupy max-subtracted exp / sum along the last axis"}[key]
+    idx, why = cupy_device_for(be)
+    if idx is None:
+        return not_run("unavailable", why, what)
+    import cupy
+
+    with cupy.cuda.Device(idx) as dev:
+        if be.name == "cuda":
+            args = [native[n] for n in _order(case)]
+        else:
+            args = [cupy.asarray(host[n]) for n in _order(case)]
+        if case.dtype == "bfloat16":
+            return not_run("unavailable", "cupy has no bfloat16 arithmetic", what)
+        if key == "cublas":
+            def fn() -> Any:
+                return cupy.matmul(args[0], args[1])
+        else:
+            def fn() -> Any:
+                x = args[0]
+                e = cupy.exp(x - x.max(axis=-1, keepdims=True))
+                return e / e.sum(axis=-1, keepdims=True)
+        m = measure(fn, dev.synchronize, timing, what=what)
+    m.info.update(CUPY_TF32=os.environ.get("CUPY_TF32"), cupy=cupy.__version__,
+                  device=idx)
+    return m
+
+
+def run_cudnn(be: Backend, case: Case, host: Mapping[str, np.ndarray], timing: TimingConfig
+              ) -> Measurement:
+    what = ("jax.nn.dot_product_attention(implementation='cudnn') on (B, S, H, D) inputs "
+            "(transposed outside the timed region)")
+    if "nvidia" not in (be.device.vendor + " " + be.device.name).lower() and be.name != "cuda":
+        return not_run("unavailable", f"cuDNN runs on NVIDIA GPUs; {be.device.name} is not one",
+                       what)
+    dev, why = jax_device_for(be)
+    if dev is None:
+        return not_run("unavailable", why, what)
+    if case.dtype not in ("float16", "bfloat16"):
+        return not_run("unavailable", f"cuDNN fused attention supports float16/bfloat16, not "
+                       f"{case.dtype}", what)
+    import jax
+
+    q, k, v = (jax.device_put(np.ascontiguousarray(np.swapaxes(host[n], 1, 2)), dev)
+               for n in ("q", "k", "v"))
+    scale, causal = _scale(case), bool(case.params.get("causal"))
+    f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=causal, implementation="cudnn"))
+    try:
+        m = measure(lambda: f(q, k, v).block_until_ready(), lambda: None, timing, what=what)
+    except Exception as exc:  # cuDNN refuses some shapes/dtypes at trace time: say which
+        return not_run("unavailable", f"cuDNN attention refused this case: "
+                       f"{type(exc).__name__}: {str(exc)[:300]}", what)
+    m.info["device"] = str(dev)
+    return m
+
+
+class Peers:
+    """Runs the peers of each case; owns the numpy child process."""
+
+    def __init__(self, wanted: tuple[str, ...] | None = None) -> None:
+        bad = [k for k in (wanted or ()) if k not in PEER_KEYS]
+        if bad:
+            raise ValueError(f"unknown peer(s) {bad}; expected some of {list(PEER_KEYS)}.")
+        self.wanted = tuple(wanted) if wanted else PEER_KEYS
+        self._numpy: NumpyWorker | None = None
+        self._numpy_error = ""
+
+    def numpy_worker(self) -> NumpyWorker | None:
+        if self._numpy is None and not self._numpy_error:
+            try:
+                self._numpy = NumpyWorker()
+            except Exception as exc:
+                self._numpy_error = f"{type(exc).__name__}: {exc}"
+        return self._numpy
+
+    def numpy_info(self) -> dict[str, Any]:
+        w = self.numpy_worker() if "numpy" in self.wanted else None
+        return w.info if w is not None else {"error": self._numpy_error or "not started"}
+
+    def pids(self) -> tuple[int, ...]:
+        """Process ids of our peer children (their CPU time is ours, not contention)."""
+        return (self._numpy.proc.pid,) if self._numpy is not None else ()
+
+    def keys(self, op: str, be: Backend) -> list[str]:
+        return [k for k in applicable(op, be) if k in self.wanted]
+
+    def run(self, key: str, be: Backend, case: Case, host: Mapping[str, np.ndarray],
+            native: Mapping[str, Any], timing: TimingConfig) -> Measurement:
+        """Measure one peer; failures become records with the reason, never exceptions."""
+        try:
+            if key == "numpy":
+                w = self.numpy_worker()
+                if w is None:
+                    return not_run("error", f"the numpy peer process failed to start: "
+                                   f"{self._numpy_error}")
+                try:
+                    return w.run(case, timing)
+                except (RuntimeError, BrokenPipeError, OSError) as exc:
+                    self._numpy = None  # restart it for the next case
+                    return not_run("error", f"numpy peer process: {exc}")
+            if key == "xla":
+                return run_xla(be, case, host, timing)
+            if key == "clblast":
+                return run_clblast(be, case, native, timing)
+            if key in ("cublas", "cupy"):
+                return run_cupy(key, be, case, host, native, timing)
+            if key == "cudnn":
+                return run_cudnn(be, case, host, timing)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            return not_run("error", f"{type(exc).__name__}: {str(exc)[:500]}")
+        return not_run("unavailable", f"peer {key!r} has no runner")
+
+    def close(self) -> None:
+        if self._numpy is not None:
+            self._numpy.close()
+            self._numpy = None
