@@ -104,7 +104,8 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
 def config_check(p: Problem | None, cfg: Mapping[str, int]) -> str | None:
     if cfg["TM"] * cfg["TN"] * cfg["VEC"] > 512:
         return "TM*TN*VEC exceeds 512 accumulators per work-item; lower one of them."
-    if cfg["USE_LOCAL"] and cfg["TK"] * (cfg["LY"] * cfg["TM"] + 1 + cfg["LX"] * cfg["TN"] * cfg["VEC"]) > 8192:
+    bn = cfg["LX"] * cfg["TN"] * cfg["VEC"]
+    if cfg["USE_LOCAL"] and cfg["TK"] * (cfg["LY"] * cfg["TM"] + 1 + bn) > 8192:
         return "local tiles exceed 8192 elements (32 KiB in fp32); lower TK, TM, TN, LX or LY."
     return None
 
