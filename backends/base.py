@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from portakern import codegen, dtypes
+from portakern import codegen, dtypes, tune
 from portakern.errors import InvalidArgumentError, UnsupportedDTypeError
 from portakern.spec import Buf, KernelSpec, Launch, Problem, Scalar
 
@@ -227,7 +227,7 @@ class KernelBackend(Backend):
                    overrides: Mapping[str, int] | None) -> dict[str, int]:
         if overrides:
             return spec.config(self.device_class, overrides, prob)
-        key = (spec.name, id(spec))
+        key = (spec.name, id(spec), tune.cache_token(prob))  # tuned entries are per bucket
         cfg = self._configs.get(key)
         if cfg is None:
             cfg = self.tuned_config(spec, prob) or spec.config(self.device_class, None, prob)
@@ -235,8 +235,9 @@ class KernelBackend(Backend):
         return cfg
 
     def tuned_config(self, spec: KernelSpec, prob: Problem) -> dict[str, int] | None:
-        """Hook for the autotuner's database; None = use the spec's default schedule."""
-        return None
+        """The autotuner's validated entry for this device and problem bucket (portakern.tune);
+        None = use the spec's default schedule."""
+        return tune.lookup(self, spec, prob)
 
     def kernels_for(self, spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]
                     ) -> dict[str, Any]:

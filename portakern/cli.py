@@ -19,6 +19,9 @@ def _info(args: argparse.Namespace) -> int:
     for name in registry.names():
         av = registry.availability(name)
         report[name] = av.as_dict()
+        tuned = [_tuned(name, d, av.versions) for d in av.devices]
+        for row, t in zip(report[name]["devices"], tuned, strict=True):
+            row["tuned"] = t
         if args.json:
             continue
         state = "available" if av.available else "unavailable"
@@ -27,12 +30,11 @@ def _info(args: argparse.Namespace) -> int:
         if not av.available:
             print(f"         why: {av.reason}")
             print(f"         fix: {av.fix}")
-        for d in av.devices:
+        for d, t in zip(av.devices, tuned, strict=True):
             print(f"         {name}:{d.index}  {d.kind:5s} {d.name}  [{d.vendor} {d.driver}]"
                   f"{'' if d.fp64 else '  (no fp64)'}")
-        for k, v in sorted((av.devices[0].extra if av.devices else {}).items()):
-            if k == "tuned":
-                print(f"         tuned: {v}")
+            for line in t:
+                print(f"           tuned: {_format_tuned(line)}")
     try:
         choice = selection.explain()
     except Exception as exc:  # report, don't crash: info is what users run when things break
@@ -42,6 +44,22 @@ def _info(args: argparse.Namespace) -> int:
     else:
         print(f"\nautomatic selection: {choice}")
     return 0
+
+
+def _tuned(name: str, device: object, versions: dict) -> list[dict]:
+    """Tuned entries of one device (portakern.tune); [] when the tuner or its DB is absent."""
+    try:
+        from .tune import tuned_summary
+
+        return tuned_summary(name, device, versions)  # type: ignore[arg-type]
+    except Exception:  # info must report, never crash
+        return []
+
+
+def _format_tuned(row: dict) -> str:
+    from .tune import format_entry
+
+    return format_entry(row)
 
 
 def _show(args: argparse.Namespace) -> int:
