@@ -8,20 +8,66 @@ from typing import Any
 from . import selection
 from .backends.base import Backend
 from .ops import get_op
-from .spec import KernelSpec
+from .spec import KernelSpec, Problem
 
 
 def call(op: str | KernelSpec, *args: Any, backend: str | Backend | None = None,
-         config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
+         config: Mapping[str, int] | None = None, out: Any = None, **kwargs: Any) -> Any:
     """Run any registered op (or a KernelSpec) on the selected backend.
 
-    ``config`` overrides tunables (validated against each tunable's domain).
+    ``config`` overrides tunables (validated against each tunable's domain). ``out`` is a
+    device array of the result's shape and dtype to write into (C-kernel backends).
     """
     spec = op if isinstance(op, KernelSpec) else get_op(op)
     arrays, params = spec.bind(args, kwargs)
-    prob = spec.problem(arrays, params)  # validation happens before any backend is touched
+    prob = _problem(spec, arrays, params)  # validation happens before any backend is touched
     be = selection.resolve(backend, arrays.values())
+    if out is not None:
+        return be.run(spec, prob, arrays, config, out=out)
     return be.run(spec, prob, arrays, config)
+
+
+_PROBLEMS: dict[Any, Problem] = {}
+
+
+def _metadata_key(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[str, Any]
+                  ) -> Any:
+    """What validation depends on: the spec, each operand's type/shape/dtype, the params.
+
+    None when something is not plainly hashable (then the call is validated from scratch)."""
+    parts: list[Any] = [id(spec)]
+    for x in arrays.values():
+        if x is None:
+            parts.append(None)
+            continue
+        shape, dt = getattr(x, "shape", None), getattr(x, "dtype", None)
+        if shape is None or dt is None or isinstance(x, (list, tuple)):
+            return None
+        parts.append((type(x), tuple(shape), dt))
+    parts.append(tuple(params.items()))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _problem(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[str, Any]
+             ) -> Problem:
+    """Validated Problem, memoised on metadata: a repeated call re-validates nothing."""
+    key = _metadata_key(spec, arrays, params)
+    if key is not None:
+        got = _PROBLEMS.get(key)
+        if got is not None:
+            return got
+    prob = spec.problem(arrays, params)
+    if key is not None:
+        prob.cache_key = key  # type: ignore[attr-defined]
+        if len(_PROBLEMS) > 4096:
+            _PROBLEMS.clear()
+        _PROBLEMS[key] = prob
+    return prob
 
 
 def matmul(a: Any, b: Any, *, backend: str | Backend | None = None,
@@ -42,3 +88,9 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
     """Fused softmax(scale q k^T [causal, mask]) v; rows with no key to attend give 0."""
     return call("attention", q, k, v, mask=mask, causal=causal, scale=scale, backend=backend,
                 config=config)
+
+
+def rmsnorm(x: Any, weight: Any, eps: float = 1e-6, *, backend: str | Backend | None = None,
+            config: Mapping[str, int] | None = None) -> Any:
+    """x / sqrt(mean(x**2, axis=-1) + eps) * weight, fused; weight has shape (x.shape[-1],)."""
+    return call("rmsnorm", x, weight, eps=eps, backend=backend, config=config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import portakern as pk
 from portakern import selection
@@ -50,3 +51,26 @@ def test_non_contiguous_numpy_views_are_handled(target: str) -> None:
         np.testing.assert_allclose(pk.softmax(v, axis=0, backend=target),
                                    pk.softmax(np.ascontiguousarray(v), axis=0, backend="numpy"),
                                    rtol=1e-5, atol=1e-7)
+
+
+def test_out_argument_writes_in_place(kernel_target: str) -> None:
+    be = selection.get(kernel_target)
+    out = be.to_native(np.zeros((2, 17, 5), np.float32))
+    be.transfers.reset()
+    got = pk.call("matmul", be.to_native(A), be.to_native(B), backend=be, out=out)
+    assert got is out
+    np.testing.assert_allclose(be.to_numpy(out), A.astype(np.float64) @ B, rtol=1e-4, atol=1e-5)
+    with pytest.raises(pk.ShapeError):
+        pk.call("matmul", A, B, backend=be, out=be.to_native(np.zeros((3, 3), np.float32)))
+    with pytest.raises(pk.DTypeError):
+        pk.call("matmul", A, B, backend=be, out=be.to_native(np.zeros((2, 17, 5), np.float64)))
+    with pytest.raises(pk.InvalidArgumentError):
+        pk.call("matmul", A, B, backend=be, out=np.zeros((2, 17, 5), np.float32))
+
+
+def test_out_is_refused_where_arrays_are_immutable(target: str) -> None:
+    be = selection.get(target)
+    if be.supports_out:
+        pytest.skip(f"{target} supports out=")
+    with pytest.raises(pk.InvalidArgumentError, match="out="):
+        pk.call("matmul", A, B, backend=be, out=np.zeros((2, 17, 5), np.float32))
