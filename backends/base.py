@@ -264,7 +264,7 @@ class KernelBackend(Backend):
                    overrides: Mapping[str, int] | None) -> dict[str, int]:
         if overrides:
             return spec.config(self.device_class, overrides, prob)
-        key = (spec.name, id(spec), tune.cache_token(prob))  # tuned entries are per bucket
+        key = (spec.name, spec.token, tune.cache_token(prob))  # tuned entries are per bucket
         cfg = self._configs.get(key)
         if cfg is None:
             cfg = self.tuned_config(spec, prob) or spec.config(self.device_class, None, prob)
@@ -281,7 +281,7 @@ class KernelBackend(Backend):
         slots = spec.slots(prob)
         defs = spec.defines(prob, cfg)
         slot_key = tuple(sorted((k, dtypes.dtype_name(v)) for k, v in slots.items()))
-        key = (spec.name, id(spec), slot_key,
+        key = (spec.name, spec.token, slot_key,
                tuple(sorted(defs.items())))
         got = self._kernels.get(key)
         if got is None:
@@ -326,7 +326,7 @@ class KernelBackend(Backend):
         key = None
         if pkey is not None:
             ckey = tuple(sorted(config.items())) if config else None
-            key = (id(spec), pkey, ckey, tune._GENERATION)
+            key = (spec.token, pkey, ckey, tune._GENERATION)
             got = self._plans.get(key)
             if got is not None:
                 return got

@@ -325,7 +325,7 @@ class JaxBackend(Backend):
         blocks = self._pallas_blocks(spec, prob, config) if use_pallas else None
         if not use_pallas and config:
             spec.config(self.device_class, config, prob)  # same validation as other backends
-        key = (spec.name, id(spec), _freeze(prob.params), prob.dtype, use_pallas,
+        key = (spec.name, spec.token, _freeze(prob.params), prob.dtype, use_pallas,
                tuple(sorted((blocks or {}).items())))
         fn = self._fns.get(key)
         if fn is None:

@@ -35,7 +35,7 @@ def _metadata_key(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[s
     """What validation depends on: the spec, each operand's type/shape/dtype, the params.
 
     None when something is not plainly hashable (then the call is validated from scratch)."""
-    parts: list[Any] = [id(spec)]
+    parts: list[Any] = [spec.token]
     for x in arrays.values():
         if x is None:
             parts.append(None)

@@ -20,9 +20,9 @@ import numpy as np
 
 from . import __version__, dtypes, selection
 from . import backends as registry
-from .cases import CASES, NumpyChooser, compare
+from .cases import NumpyChooser, case_generator, compare
 from .errors import PortakernError
-from .ops import OPS
+from .ops import OPS, plugin_errors
 
 
 def targets(requested: list[str] | None) -> tuple[list[str], dict[str, str]]:
@@ -45,9 +45,10 @@ def run_check(target: str, op: str, dtype: str, examples: int, seed: int) -> dic
     spec = OPS[op]
     if dtype not in be.supported_dtypes():
         return {"status": "n/a", "why": f"{be.describe()} does not support {dtype}"}
-    gen = CASES.get(op) or getattr(spec, "cases", None)
+    gen = case_generator(spec)  # built-in table, else the spec's own or derived generator
     if gen is None:
-        return {"status": "n/a", "why": f"op {op} has no case generator"}
+        return {"status": "n/a", "why": f"op {op} has no case generator; give its KernelSpec "
+                                        "`cases`, `shapes` or `example`"}
     ch = NumpyChooser(np.random.default_rng([seed, hash(op) & 0xFFFF, len(dtype)]))
     worst, worst_case, t0 = 0.0, "", time.perf_counter()
     for _ in range(examples):
@@ -99,10 +100,13 @@ def main(args: argparse.Namespace) -> int:
                     print(f"    failing case: {r['case']}")
     for name, why in skipped.items():
         print(f"NOT CHECKED: {name}: {why}")
+    for name, why in plugin_errors().items():
+        print(f"OP PLUGIN NOT LOADED: {name}: {why}")
     doc = {"portakern": __version__, "python": sys.version.split()[0],
            "machine": platform.machine(), "node": platform.node(),
            "versions": {n: registry.availability(n).versions for n in registry.names()},
-           "skipped": skipped, "results": results, "passed": not failed}
+           "skipped": skipped, "op_plugin_errors": plugin_errors(), "results": results,
+           "passed": not failed}
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(doc, fh, indent=2, default=str)

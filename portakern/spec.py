@@ -11,9 +11,10 @@ is touched.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +26,11 @@ from .errors import (
     ShapeError,
     SpecError,
 )
+
+if TYPE_CHECKING:  # cases imports nothing from here, but keep spec importable on its own
+    from .cases import Case, Chooser
+
+_SPEC_TOKENS = itertools.count()
 
 # 32-bit index arithmetic is used inside kernels: any operand or output beyond this is refused
 # from its shape alone, before anything is allocated.
@@ -139,7 +145,8 @@ def check_index_range(spec: str, what: str, shape: Sequence[int]) -> None:
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """The single source of truth of an op. See README 'Add a kernel' for each field."""
+    """The single source of truth of an op. docs/add-a-kernel.md explains each field; a user op
+    is registered with ``portakern.register_op``, which checks the spec (SpecError otherwise)."""
 
     name: str
     operands: tuple[Operand, ...]
@@ -157,6 +164,21 @@ class KernelSpec:
     config_check: Callable[[Problem | None, Mapping[str, int]], str | None] | None = None
     pallas: Any = None  # optional: builds a Pallas kernel (see backends/jax.py)
     doc: str = ""
+    # --- optional, for user-defined ops (docs/add-a-kernel.md); checked by register_op ------
+    # example(dtype) -> ({operand: array or ArrayMeta(shape, dtype)}, {param: value}): a typical
+    # call, rendered by `portakern show`, compiled by register_op(check=True) and by
+    # `portakern check --compile-only`, and used to check the spec's functions at registration.
+    example: Callable[[str], tuple[dict[str, Any], dict[str, Any]]] | None = None
+    # cases(chooser, dtype) -> Case: the generator the shared suite and `portakern check` draw
+    # from. Absent: one is derived from `shapes` (or from the example's shapes).
+    cases: Callable[[Chooser, str], Case] | None = None
+    # shapes: {operand: dims}, each dim a size name shared across operands or a fixed int, e.g.
+    # {"x": ("rows", "n"), "w": ("n",)}: the shape family the derived generator draws from.
+    shapes: Mapping[str, Sequence[str | int] | str] | None = None
+    # A process-unique identity for caches (compiled kernels, plans, validated problems).
+    # Not id(spec): a freed spec's id is reused, and a cache would hand its kernel to another.
+    token: int = field(default_factory=lambda: next(_SPEC_TOKENS), init=False, compare=False,
+                       repr=False)
 
     # --- validation ---------------------------------------------------------------------
     def bind(self, args: Sequence[object], kwargs: Mapping[str, Any]
@@ -188,7 +210,8 @@ class KernelSpec:
                     raise InvalidArgumentError(f"{self.name}() is missing the array {o.name!r}.")
                 arrays[o.name] = None
             elif arrays[o.name] is None and not o.optional:
-                raise NotAnArrayError(f"{self.name}: argument {o.name!r} must be an array; got None.")
+                raise NotAnArrayError(
+                    f"{self.name}: argument {o.name!r} must be an array; got None.")
         return arrays, params
 
     def problem(self, arrays: Mapping[str, object], params: Mapping[str, Any]) -> Problem:

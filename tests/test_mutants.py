@@ -60,6 +60,9 @@ MUTANTS = {
 }
 
 
+_ALIVE: list[object] = []  # see test_mutant_is_caught
+
+
 def kernel_targets() -> list[str]:
     from conftest import KERNEL_TARGETS
 
@@ -72,6 +75,10 @@ def test_mutant_is_caught(name: str) -> None:
     spec = get_op(op)
     assert old in spec.source, f"mutation site for {name!r} not found: the kernel changed"
     mutant = spec.replace(name=f"{op}_mutant", source=spec.source.replace(old, new, 1))
+    # Backends cache kernels and launch plans per (spec name, id(spec)); a freed mutant's id is
+    # reused by the next one, which would then run the previous mutant's compiled kernel.
+    # Keeping every mutant alive keeps every id unique for the whole session.
+    _ALIVE.append(mutant)
     targets = kernel_targets()
     if not targets:
         pytest.skip("no C-kernel backend available: " + str(

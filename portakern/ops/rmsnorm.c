@@ -1,0 +1,73 @@
+/* Y = X / sqrt(mean(X^2, last axis) + eps) * W. X viewed as (rows, n): row r starts at r*n;
+ * W has n elements and is shared by every row.
+ *
+ * One work-group per row. Pass 1: each item sums the squares of its strided elements (j = lid,
+ * lid + WG, ...), a tree in local memory adds the WG partial sums. Pass 2: each item writes
+ * x * inv * w for the same elements (the row was just read, so it is usually still in cache).
+ * The row's statistics are read from main memory once; only the output is written.
+ *
+ * Overflow-safe in one pass, without a max pass or per-element division (Blue's two-accumulator
+ * idea, as in LAPACK's nrm2): an element with |x| > big would overflow the compute type when
+ * squared and summed, so it is multiplied by the exact power of two `down` first and summed
+ * apart (sb). The sums are combined with exact power-of-two scalings at the end (rmsnorm.py
+ * picks big/down per compute type so that neither sum can overflow for n < 2^31). Tiny
+ * elements need no scaling: eps >= the smallest normal number keeps the denominator away from
+ * zero, so squares that underflow cost at most n*u relative (see rmsnorm.py's error analysis).
+ *
+ * A non-finite element makes the whole row NaN, as the semantics do: inf lands in sb and NaN
+ * in sn, so q is inf or NaN, and q - q (0 for finite q, NaN otherwise: fast-math is off, so the
+ * compiler may not fold it) poisons inv.
+ */
+PK_KERNEL void rmsnorm(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL const PK_T_T* PK_RESTRICT W,
+                       PK_GLOBAL PK_T_T* PK_RESTRICT Y, int n, PK_ACC_T eps, PK_ACC_T big,
+                       PK_ACC_T down)
+{
+    const int row = PK_GROUP_ID(0);
+    const int lid = PK_LOCAL_ID(0);
+    const int base = row * n; /* rows * n <= 2^31 - 1: validated from the shape */
+
+    PK_ACC_T sn = (PK_ACC_T)0; /* sum of x^2 over |x| <= big */
+    PK_ACC_T sb = (PK_ACC_T)0; /* sum of (x * down)^2 over |x| > big */
+    for (int j = lid; j < n; j += WG) {
+        const PK_ACC_T x = PK_LOAD_T(X, base + j);
+        if (fabs(x) > big) {
+            const PK_ACC_T t = x * down;
+            sb += t * t;
+        } else {
+            sn += x * x;
+        }
+    }
+
+    PK_LOCAL PK_ACC_T ln[WG];
+    PK_LOCAL PK_ACC_T lb[WG];
+    ln[lid] = sn;
+    lb[lid] = sb;
+    PK_BARRIER();
+    for (int step = WG / 2; step > 0; step >>= 1) {
+        if (lid < step) {
+            ln[lid] += ln[lid + step];
+            lb[lid] += lb[lid + step];
+        }
+        PK_BARRIER();
+    }
+    const PK_ACC_T tn = ln[0];
+    const PK_ACC_T tb = lb[0];
+    const PK_ACC_T nf = (PK_ACC_T)n;
+
+    /* pre * inv == 1 / sqrt(mean(x^2) + eps), split so that neither factor is subnormal:
+     * scaled rows use q = (mean(x^2) + eps) * down^2 and pre = down (exact). */
+    PK_ACC_T pre = (PK_ACC_T)1;
+    PK_ACC_T q;
+    if (tb > (PK_ACC_T)0) {
+        q = (tb + (tn * down) * down) / nf + (eps * down) * down;
+        pre = down;
+    } else {
+        q = tn / nf + eps;
+    }
+    const PK_ACC_T inv = (PK_ACC_T)1 / sqrt(q) + (q - q);
+
+    for (int j = lid; j < n; j += WG) {
+        const PK_ACC_T x = PK_LOAD_T(X, base + j);
+        PK_STORE_T(Y, base + j, (x * pre) * inv * PK_LOAD_T(W, j));
+    }
+}
