@@ -236,13 +236,23 @@ def test_quick_suite_covers_the_issue_sizes() -> None:
     by_op: dict[str, list[suites.Case]] = {}
     for c in cases:
         by_op.setdefault(c.op, []).append(c)
-    assert set(by_op) == {"matmul", "softmax", "attention"}
+    assert set(by_op) >= {"matmul", "softmax", "attention", "rmsnorm"}  # every registered op
     assert max(c.size["N"] for c in by_op["matmul"]) == 1024
     assert max(c.size["rows"] * c.size["cols"] for c in by_op["softmax"]) == 8192 * 4096
     assert any(c.size == {"B": 1, "Hq": 8, "Hkv": 8, "Sq": 4096, "Sk": 4096, "D": 64, "Dv": 64}
                for c in by_op["attention"])
     assert len({c.id for c in cases}) == len(cases)
     assert [c.label for c in suites.suite_cases("quick", ("matmul",), limit=1)] == ["N=256"]
+    # rmsnorm has no built-in sizes: its spec's example is its quick case
+    (rms,) = by_op["rmsnorm"]
+    assert rms.size == {"x": [64, 4096], "weight": [4096]}
+    assert rms.label == "x=64x4096 weight=4096" and rms.params == {"eps": 1e-6}
+
+
+def test_full_suite_scales_a_spec_example_up() -> None:
+    got = [c.size["x"] for c in suites.suite_cases("full", ("rmsnorm",), ("float32",))]
+    assert got == [[64, 4096], [4096, 4096], [16384, 4096]]  # ~2^24 and ~2^26 elements
+    assert all(c.size["weight"] == [4096] for c in suites.suite_cases("full", ("rmsnorm",)))
 
 
 @pytest.mark.parametrize("suite", sorted(suites.SIZES))
@@ -261,8 +271,11 @@ def test_inputs_are_deterministic_per_case() -> None:
                                               "D": 4, "Dv": 4})
     a, b = suites.make_inputs(c), suites.make_inputs(suites.Case.from_dict(c.as_dict()))
     assert a["k"].shape == (1, 1, 5, 4) and a["k"].dtype.name == "bfloat16"
-    for n in a:
-        assert np.array_equal(a[n].astype(np.float32), b[n].astype(np.float32))
+    assert list(a) == ["q", "k", "v", "mask"] and a["mask"] is None  # absent optional operand
+    for n in ("q", "k", "v"):
+        x, y = a[n], b[n]
+        assert x is not None and y is not None
+        assert np.array_equal(x.astype(np.float32), y.astype(np.float32))
 
 
 def test_unknown_suite_and_dtype_say_what_is_expected() -> None:
@@ -290,6 +303,23 @@ def test_numpy_worker_measures_and_refuses_fp16() -> None:
     half = suites.Case("matmul", "float16", {"M": 4, "N": 4, "K": 4, "batch": []})
     got = numpy_worker.handle({"case": half.as_dict(), "timing": t})["measurement"]
     assert got["status"] == "unavailable" and "float16" in got["reason"]
+
+
+def test_numpy_worker_runs_the_semantics_of_an_op_without_a_handwritten_peer() -> None:
+    from portakern.bench import numpy_worker
+
+    t = timing.TimingConfig(min_time=0.0, min_reps=2, budget_s=10).as_dict()
+    case = suites.Case("rmsnorm", "float16", {"x": [3, 16], "weight": [16]}, {"eps": 1e-6})
+    got = numpy_worker.handle({"case": case.as_dict(), "timing": t})["measurement"]
+    assert got["status"] == "ok" and "spec.semantics(numpy" in got["what"]
+    assert "float32" in got["what"] and "cast" in got["what"]  # fp16 computes in fp32
+    x = suites.make_inputs(case)
+    fn, _ = numpy_worker.semantics_peer(case, x)
+    res = fn()
+    assert res.dtype == np.float16
+    want = get_op("rmsnorm").semantics(np, x["x"].astype(np.float64),  # type: ignore[union-attr]
+                                       x["weight"].astype(np.float64))  # type: ignore[union-attr]
+    np.testing.assert_allclose(res.astype(np.float64), want, rtol=2e-3, atol=1e-3)
 
 
 # --- report: merging two machines ----------------------------------------------------------------
@@ -518,3 +548,235 @@ def test_tiny_real_run_writes_json_markdown_and_png(tmp_path: Path,
     assert "| matmul | float32 | N=256 |" in capsys.readouterr().out
     png = plots / "matmul_float32.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the dispatch-overhead measurement ran on the OpenCL target and is in both outputs
+    disp = res["dispatch"][target]
+    assert disp["status"] == "ok" and set(disp["overhead_us"]) == {"call", "call_out"}
+    assert "Dispatch overhead" in md and f"| {target} |" in md.split("Dispatch overhead")[1]
+
+
+# --- a user-defined op, through the public API only, is benchmarked without edits ----------------
+ROW_CENTER_SOURCE = """
+PK_KERNEL void row_center(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* PK_RESTRICT Out,
+                          int rows, int n)
+{
+    const int r = PK_GROUP_ID(0) * WG + PK_LOCAL_ID(0);
+    if (r >= rows) return;
+    PK_ACC_T s = 0;
+    for (int j = 0; j < n; ++j) s += PK_LOAD_T(X, r * n + j);
+    const PK_ACC_T m = s / (PK_ACC_T)n;
+    for (int j = 0; j < n; ++j) PK_STORE_T(Out, r * n + j, PK_LOAD_T(X, r * n + j) - m);
+}
+"""
+
+
+def _row_center_semantics(xp: Any, x: Any) -> Any:
+    return x - xp.mean(x, axis=-1, keepdims=True)
+
+
+def _row_center_validate(m: dict[str, Any], params: dict[str, Any]) -> Any:
+    import portakern as pk
+    from portakern import dtypes
+
+    x = m["x"]
+    if len(x.shape) < 1:
+        raise pk.ShapeError("row_center: x must have rank >= 1; got a scalar.")
+    n = x.shape[-1]
+    rows = int(np.prod(x.shape[:-1]))
+    return pk.Problem("row_center", dtypes.dtype_name(x.dtype), {"x": tuple(x.shape)}, params,
+                      tuple(x.shape), derived={"rows": rows, "n": n},
+                      empty_result=rows * n == 0)
+
+
+def _row_center_tolerance(p: Any, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarray:
+    """The row sum errs by (n-1)u relative to sum|x|, the division by u, the subtraction and
+    the output rounding by u and u_out of the result."""
+    u = float(np.finfo(p.info.compute).eps) / 2
+    n = p.derived["n"]
+    mean_abs = np.mean(np.abs(x["x"]), axis=-1, keepdims=True)
+    return ((n + 2) * u * mean_abs + u * np.abs(x["x"]) + p.info.unit_roundoff * np.abs(ref)
+            + p.info.subnormal)
+
+
+def _row_center_spec() -> Any:
+    import portakern as pk
+
+    return pk.KernelSpec(
+        name="bench_row_center", operands=(pk.Operand("x"),), params={},
+        validate=_row_center_validate, semantics=_row_center_semantics,
+        source=ROW_CENTER_SOURCE.replace("row_center(", "bench_row_center("),
+        slots=lambda p: {"T": p.dtype}, defines=lambda p, cfg: dict(cfg),
+        launches=lambda p, cfg: [pk.Launch(
+            "bench_row_center", (-(-p.derived["rows"] // cfg["WG"]), 1, 1), (cfg["WG"], 1, 1),
+            (pk.Buf("x"), pk.Buf("out"), pk.Scalar(p.derived["rows"]),
+             pk.Scalar(p.derived["n"])))],
+        cost=lambda p: pk.Cost(2.0 * p.derived["rows"] * p.derived["n"],
+                               2.0 * p.derived["rows"] * p.derived["n"]
+                               * p.info.storage.itemsize),
+        tolerance=_row_center_tolerance,
+        tunables=(pk.Tunable("WG", (1, 4, 16)),), schedules={"gpu": {"WG": 16}, "cpu": {"WG": 4}},
+        shapes={"x": ("rows", "n")})
+
+
+@pytest.fixture
+def row_center_op() -> Any:
+    """A user op registered in this test's code (so the numpy peer process cannot see it)."""
+    import portakern as pk
+
+    spec = pk.register_op(_row_center_spec())
+    try:
+        yield spec
+    finally:
+        pk.unregister_op(spec.name)
+
+
+def test_a_user_op_is_benchmarked_with_its_semantics_peer(row_center_op: Any, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    import io
+
+    from portakern.bench import runner
+
+    target = _opencl_target()
+    name = row_center_op.name
+    assert name in suites.all_ops() and name in {c.op for c in suites.suite_cases("quick")}
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")  # in-process: must be reported as set
+    cfg = runner.BenchConfig(
+        ops=(name,), targets=(target,), limit=1, peers=("numpy", "xla"), probes=False,
+        dispatch=False, out=str(tmp_path / "r.json"), progress=io.StringIO(),
+        timing=timing.TimingConfig(min_time=0.01, min_reps=2, max_reps=20, budget_s=10))
+    res = runner.run_bench(cfg)
+    assert res["complete"] and res["dispatch"] == {}
+    (case,) = res["cases"]
+    # shapes= ('rows', 'n') gives the derived example: 8 rows of 1024
+    assert case["label"] == "x=8x1024" and case["shapes"] == {"x": [8, 1024]}
+    assert case["ours"]["status"] == "ok" and case["ours"]["reps"] >= 2
+    assert case["cost"]["flops"] == 2 * 8 * 1024
+    assert case["unfused"]["status"] == "not_applicable"
+    npeer = case["peers"]["numpy"]
+    assert npeer["status"] == "ok" and npeer["name"] == "numpy (spec semantics)"
+    assert "benchmark's own process" in npeer["what"]
+    assert "OPENBLAS_CORETYPE=Haswell" in npeer["what"]
+    assert npeer["info"]["env_seen"]["OPENBLAS_CORETYPE"] == "Haswell"
+    xpeer = case["peers"]["xla"]
+    assert xpeer["name"] == "XLA (spec semantics)" and "lower_semantics" in xpeer["what"]
+    from portakern import backends as registry
+
+    if registry.availability("jax").available:
+        assert xpeer["status"] == "ok"
+        assert case["best_peer"] in ("numpy", "xla") and case["efficiency"] > 0
+
+
+def test_the_numpy_process_knows_builtin_but_not_in_code_ops(row_center_op: Any) -> None:
+    from portakern.bench.peers import NumpyWorker
+
+    w = NumpyWorker()
+    try:
+        assert w.knows("rmsnorm") and w.knows("matmul")
+        assert not w.knows(row_center_op.name)
+    finally:
+        w.close()
+
+
+def test_semantics_peers_apply_per_device_kind() -> None:
+    from portakern.backends.base import DeviceInfo
+    from portakern.bench.peers import applicable, peer_name
+
+    class Target:
+        def __init__(self, name: str, kind: str) -> None:
+            self.name, self.device = name, DeviceInfo(0, "dev", kind)
+
+    assert applicable("rmsnorm", Target("opencl", "cpu")) == ["numpy", "xla"]  # type: ignore[arg-type]
+    assert applicable("rmsnorm", Target("cuda", "gpu")) == ["xla", "cupy"]  # type: ignore[arg-type]
+    assert "clblast" in applicable("matmul", Target("opencl", "cpu"))  # type: ignore[arg-type]
+    assert peer_name("cupy", "rmsnorm") == "cupy (spec semantics)"
+    assert peer_name("cupy", "softmax") == "cupy (elementwise)"
+
+
+# --- dispatch overhead ---------------------------------------------------------------------------
+def test_dispatch_summary_arithmetic() -> None:
+    from portakern.bench.dispatch import summarize_dispatch
+
+    per_call = {"call": [30e-6, 34e-6, 31e-6], "call_out": [18e-6, 21e-6, 19e-6],
+                "raw": [10e-6, 12e-6, 11e-6]}
+    s = summarize_dispatch(per_call, target_us=10.0)
+    assert s["per_call_us"]["call"]["median"] == pytest.approx(31.0)
+    assert s["per_call_us"]["raw"]["median"] == pytest.approx(11.0)
+    assert s["overhead_us"]["call"] == pytest.approx(20.0)  # 31 - 11
+    assert s["overhead_us"]["call_out"] == pytest.approx(8.0)  # 19 - 11
+    # paired: round by round 20, 22, 20 and 8, 9, 8
+    assert s["overhead_paired_us"]["call"] == pytest.approx(20.0)
+    assert s["overhead_paired_us"]["call_out"] == pytest.approx(8.0)
+    assert s["meets_target"] == {"call": False, "call_out": True}
+    with pytest.raises(ValueError, match="rounds"):
+        summarize_dispatch({"call": [1.0], "call_out": [1.0], "raw": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="missing"):
+        summarize_dispatch({"call": [1.0], "raw": [1.0]})
+
+
+def test_dispatch_is_measured_on_opencl() -> None:
+    from portakern import selection
+    from portakern.bench.dispatch import DispatchConfig, measure_dispatch
+
+    be = selection.get(_opencl_target())
+    rec = measure_dispatch(be, DispatchConfig(iterations=20, rounds=3, warmup=2))
+    assert rec["status"] == "ok", rec.get("reason")
+    assert rec["shape"] == [4, 8] and rec["op"] == "softmax"
+    for v in ("call", "call_out", "raw"):
+        m = rec["per_call_us"][v]
+        assert len(m["samples"]) == 3 and m["median"] > 0
+    assert rec["overhead_us"]["call"] == pytest.approx(
+        rec["per_call_us"]["call"]["median"] - rec["per_call_us"]["raw"]["median"])
+    assert "enqueue_nd_range_kernel" in rec["what"]["raw"]
+    assert rec["info"]["raw_max_abs_error"] < 1e-5  # the raw launch computed the softmax
+    assert rec["info"]["kernels"][0]["kernel"] == "softmax"
+
+
+def test_dispatch_is_not_applicable_without_c_kernels_and_renders() -> None:
+    from portakern.bench.dispatch import measure_dispatch, summarize_dispatch
+    from portakern.bench.report import dispatch_markdown
+
+    class Stub:
+        name, label = "stub", "stub:0"
+
+    rec = measure_dispatch(Stub())  # type: ignore[arg-type]
+    assert rec["status"] == "not_applicable" and "raw enqueue" in rec["reason"]
+    ok = {"status": "ok", "op": "softmax", "shape": [4, 8], "dtype": "float32",
+          "iterations": 10, "rounds": 3,
+          **summarize_dispatch({"call": [30e-6] * 3, "call_out": [15e-6] * 3,
+                                "raw": [10e-6] * 3})}
+    text = "\n".join(dispatch_markdown({"opencl:0": ok, "stub:0": rec}))
+    assert "| opencl:0 | 30 µs ±0% | 15 µs ±0% | 10 µs ±0% | +20 µs | +5 µs |" in text
+    assert "call no, out= yes" in text and "| stub:0 | not_applicable |" in text
+
+
+def test_an_op_without_sizes_is_named_not_fatal_in_the_default_op_list() -> None:
+    import portakern as pk
+
+    spec = pk.register_op(_row_center_spec().replace(name="bench_no_sizes", shapes=None))
+    try:
+        skipped: dict[str, str] = {}
+        cases = suites.suite_cases("quick", skipped=skipped)
+        assert "bench_no_sizes" in skipped and "example" in skipped["bench_no_sizes"]
+        assert {c.op for c in cases} >= {"matmul", "rmsnorm"}
+        with pytest.raises(pk.InvalidArgumentError, match="neither `example` nor `shapes`"):
+            suites.suite_cases("quick", ("bench_no_sizes",), skipped={})
+    finally:
+        pk.unregister_op(spec.name)
+
+
+def test_handwritten_xla_peer_gets_only_present_operands() -> None:
+    """attention's optional mask is None in every suite case; the hand-written XLA expression
+    (q, k, v) must not be handed it (a regression of the generic operand order)."""
+    from portakern import backends as registry
+    from portakern import selection
+    from portakern.bench.peers import run_xla
+
+    if not registry.availability("jax").available:
+        pytest.skip("jax is not available here")
+    be = selection.get(_opencl_target())
+    case = suites.Case("attention", "float32", {"B": 1, "Hq": 2, "Hkv": 1, "Sq": 8, "Sk": 8,
+                                                "D": 8, "Dv": 8}, {"causal": False})
+    host = suites.make_inputs(case)
+    assert host["mask"] is None
+    m = run_xla(be, case, host, timing.TimingConfig(min_time=0.0, min_reps=2, budget_s=10))
+    assert m.status == "ok", m.reason

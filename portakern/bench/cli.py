@@ -7,7 +7,7 @@ import socket
 import sys
 from pathlib import Path
 
-from .suites import OPS, SIZES
+from .suites import SIZES
 
 
 def _csv(text: str | None) -> tuple[str, ...] | None:
@@ -50,7 +50,7 @@ def _bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(suite=args.suite, ops=_csv(args.ops), targets=tuple(backends) or None,
                       dtypes=_csv(args.dtypes), peers=peers, limit=args.limit, out=out,
                       plots=plots_dir, probes=not args.no_probes, unfused=not args.no_unfused,
-                      timing=timing)
+                      timing=timing, dispatch=args.dispatch)
     from ..errors import PortakernError
 
     try:
@@ -91,7 +91,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                     "on the same device (numpy/BLAS, XLA, CLBlast, cuBLAS, cuDNN), the unfused "
                     "chain (attention) and the roofline from portakern's own probes. "
                     "Ctrl-C stops and writes what was measured. See docs/bench.md.")
-    p.add_argument("--ops", default=None, help=f"comma-separated ops (default: {','.join(OPS)})")
+    p.add_argument("--ops", default=None,
+                   help="comma-separated ops (default: every registered op, plugins and ops "
+                        "registered by user code included)")
     p.add_argument("--suite", choices=sorted(SIZES), default="quick",
                    help="quick: a few sizes, fp32, < 5 min on a 2-core CPU; full: size and "
                         "dtype sweeps for GPUs")
@@ -120,6 +122,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "(suite default 25 / 60)")
     p.add_argument("--no-probes", action="store_true", help="skip the roofline probes")
     p.add_argument("--no-unfused", action="store_true", help="skip attention's unfused chain")
+    p.add_argument("--dispatch", dest="dispatch", action="store_true", default=None,
+                   help="measure the dispatch overhead (pk.call vs a raw enqueue of the same "
+                        "kernel on a tiny softmax; default: in the quick suite)")
+    p.add_argument("--no-dispatch", dest="dispatch", action="store_false",
+                   help="skip the dispatch-overhead measurement")
     p.set_defaults(fn=_bench)
     return p
 

@@ -7,10 +7,17 @@ honest peer is a process started without them. This process reports which BLAS, 
 kernel ("architecture", from threadpoolctl) and how many threads it used, and which of those
 variables it saw, so the result file proves the peer was not handicapped.
 
-Protocol (JSON lines on stdin/stdout): it first prints a ``hello`` record; then for each
-request ``{"case": ..., "timing": ...}`` it rebuilds the case's inputs from its seed
+Protocol (JSON lines on stdin/stdout): it first prints a ``hello`` record (which also lists
+the ops this process knows, with where their semantics are defined); then for each request
+``{"case": ..., "timing": ...}`` it rebuilds the case's inputs from its seed
 (suites.make_inputs: the same arrays the other implementations get), times the numpy
 expression and prints ``{"kind": "result", "measurement": ...}``. EOF ends it.
+
+The numpy expression is hand-written for matmul, softmax and attention (what a numpy user
+writes: BLAS matmul, an in-place softmax); any other op is timed as its own
+``spec.semantics(numpy, ...)`` (semantics_peer.py). This process sees the built-in ops and the
+``portakern.ops`` entry-point plugins; an op registered in the parent's code is not here, and
+the parent runs its numpy peer itself (peers.py says so in the record).
 """
 
 from __future__ import annotations
@@ -93,11 +100,39 @@ def build(case: dict[str, Any], x: dict[str, np.ndarray]) -> Callable[[], object
                      "attention. Add one to portakern/bench/numpy_worker.py.")
 
 
+def known_ops() -> dict[str, str]:
+    """Registered ops of this process -> where their semantics are defined."""
+    from ..ops import OPS
+    from .semantics_peer import identity
+
+    return {name: identity(spec) for name, spec in OPS.items()}
+
+
+def semantics_peer(case: Any, x: dict[str, np.ndarray | None]) -> tuple[Callable[[], object],
+                                                                          str]:
+    """(callable, what) of an op without a hand-written numpy expression: its semantics."""
+    from ..ops import get_op
+    from .semantics_peer import semantics_call, what
+
+    spec = get_op(case.op)
+    arrays = [x[o.name] for o in spec.operands]
+    prob = spec.problem(*spec.bind(arrays, dict(case.params)))  # validated, defaults filled
+    fn = semantics_call(spec, np, arrays, prob.params, case.dtype)
+    return fn, what(spec, "numpy", case.dtype) + (" in the numpy peer process (started without "
+                                                  "OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE)")
+
+
 def handle(req: dict[str, Any]) -> dict[str, Any]:
+    from .semantics_peer import has_handwritten_peers
     from .suites import Case, make_inputs
     from .timing import TimingConfig, measure, not_run
 
     case = Case.from_dict(req["case"])
+    if not has_handwritten_peers(case.op):
+        fn, text = semantics_peer(case, make_inputs(case))
+        with np.errstate(all="ignore"):
+            m = measure(fn, lambda: None, TimingConfig(**req["timing"]), what=text)
+        return {"kind": "result", "measurement": m.as_dict()}
     what = {"matmul": "np.matmul(a, b)",
             "softmax": "numpy max-subtracted exp / sum along the last axis",
             "attention": "np.matmul(q, k^T) * scale -> numpy softmax -> np.matmul(p, v) "
@@ -115,8 +150,12 @@ def handle(req: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     env = {k: os.environ.get(k) for k in BLAS_ENV}
+    try:
+        ops: dict[str, str] | str = known_ops()
+    except Exception as exc:  # the hand-written peers still work without the registry
+        ops = f"{type(exc).__name__}: {exc}"
     hello = {"kind": "hello", "pid": os.getpid(), "numpy": np.__version__, "blas": blas_info(),
-             "env": env, "python": sys.version.split()[0]}
+             "env": env, "python": sys.version.split()[0], "ops": ops}
     out = sys.stdout
     out.write(json.dumps(hello) + "\n")
     out.flush()

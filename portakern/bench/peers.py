@@ -12,6 +12,13 @@ run, on inputs already resident where it computes (uploads are never timed):
 - cupy   — cupy's elementwise softmax expression on the CUDA device;
 - cudnn  — jax.nn.dot_product_attention(implementation="cudnn") on an NVIDIA GPU.
 
+Ops without hand-written peers (rmsnorm, user and plugin ops) are compared with their own
+``spec.semantics`` on the device's native array library (semantics_peer.py): numpy on a CPU
+(in the numpy process when it knows the op, else in this process, which the record says),
+XLA (jax.jit of lower_semantics: the same computation as portakern's jax target) on the jax
+device of the same kind, and cupy on a CUDA device. An OpenCL GPU with neither a matching
+jax device nor a CUDA one gets no peer, and the record says why.
+
 A peer that cannot run is recorded with the reason (missing library, no such device, dtype it
 does not support) instead of being silently left out.
 """
@@ -29,19 +36,39 @@ from typing import Any
 import numpy as np
 
 from ..backends.base import Backend
-from .suites import Case
+from ..ops import get_op
+from . import semantics_peer
+from .semantics_peer import has_handwritten_peers
+from .suites import Case, operand_names
 from .timing import Measurement, TimingConfig, measure, not_run
 
 PEER_KEYS = ("numpy", "xla", "clblast", "cublas", "cupy", "cudnn")
 PEER_NAMES = {"numpy": "numpy/BLAS", "xla": "XLA (jax.jit)", "clblast": "CLBlast (pyclblast)",
               "cublas": "cuBLAS (cupy.matmul)", "cupy": "cupy (elementwise)",
               "cudnn": "cuDNN attention (jax)"}
+SEMANTICS_NAMES = {"numpy": "numpy (spec semantics)", "xla": "XLA (spec semantics)",
+                   "cupy": "cupy (spec semantics)"}
 UNSET_FOR_NUMPY = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def peer_name(key: str, op: str) -> str:
+    """The column name of a peer: the library, and '(spec semantics)' where that is what it
+    runs (so a reader never mistakes an op's own expression for a vendor library call)."""
+    if not has_handwritten_peers(op) and key in SEMANTICS_NAMES:
+        return SEMANTICS_NAMES[key]
+    return PEER_NAMES[key]
 
 
 def applicable(op: str, be: Backend) -> list[str]:
     """Peers that make sense for ``op`` on ``be``'s device (each may still be unavailable)."""
     keys: list[str] = []
+    if not has_handwritten_peers(op):  # its semantics on numpy / XLA / cupy
+        if be.device.kind == "cpu":
+            keys.append("numpy")
+        keys.append("xla")
+        if be.device.kind == "gpu":
+            keys.append("cupy")
+        return keys
     if be.device.kind == "cpu":
         keys.append("numpy")
     keys.append("xla")
@@ -89,6 +116,15 @@ class NumpyWorker:
                 "architecture": blas.get("architecture"), "threads": blas.get("threads"),
                 "numpy": self.hello.get("numpy"), "env_seen": self.hello.get("env"),
                 "unset_for_this_process": self.unset, "pid": self.hello.get("pid")}
+
+    def knows(self, op: str) -> bool:
+        """Whether this process has the parent's op (same semantics function): built-in and
+        entry-point ops yes, ops registered in the parent's code no."""
+        theirs = self.hello.get("ops")
+        if has_handwritten_peers(op):
+            return True
+        return isinstance(theirs, dict) and theirs.get(op) == semantics_peer.identity(
+            get_op(op))
 
     def run(self, case: Case, timing: TimingConfig) -> Measurement:
         assert self.proc.stdin is not None
@@ -203,20 +239,62 @@ XLA_WHAT = {"matmul": "jax.jit(jnp.matmul, precision=HIGHEST)",
                          "precision=HIGHEST, GQA by reshape)"}
 
 
-def _order(case: Case) -> list[str]:
-    return {"matmul": ["a", "b"], "softmax": ["x"], "attention": ["q", "k", "v"]}[case.op]
+def _validated_params(case: Case, host: Mapping[str, np.ndarray | None]) -> dict[str, Any]:
+    """The case's parameters as the op's validate normalises them (defaults filled)."""
+    spec = get_op(case.op)
+    prob = spec.problem(*spec.bind([host[n] for n in operand_names(case.op)],
+                                   dict(case.params)))
+    return dict(prob.params)
 
 
-def run_xla(be: Backend, case: Case, host: Mapping[str, np.ndarray], timing: TimingConfig
-            ) -> Measurement:
+def run_numpy_here(case: Case, host: Mapping[str, np.ndarray | None], timing: TimingConfig
+                   ) -> Measurement:
+    """The semantics peer on numpy in this process, for an op the numpy process cannot see
+    (registered in code). OpenBLAS here runs with this process's environment, so the record
+    says which of the variables that slow it down are set."""
+    from .numpy_worker import BLAS_ENV, blas_info
+
+    spec = get_op(case.op)
+    seen = {k: os.environ.get(k) for k in BLAS_ENV}
+    pinned = {k: v for k, v in seen.items() if k in UNSET_FOR_NUMPY and v is not None}
+    what = (semantics_peer.what(spec, "numpy", case.dtype) + f" in the benchmark's own process "
+            f"({case.op!r} is registered in code, so the numpy peer process cannot import it): "
+            "OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE are as the parent has them ("
+            + (", ".join(f"{k}={v}" for k, v in pinned.items()) or "neither is set") + ")")
+    arrays = [host[n] for n in operand_names(case.op)]
+    fn = semantics_peer.semantics_call(spec, np, arrays, _validated_params(case, host),
+                                       case.dtype)
+    with np.errstate(all="ignore"):
+        m = measure(fn, lambda: None, timing, what=what)
+    blas = blas_info()
+    m.info.update(process="in-process (parent)", env_seen=seen, unset_for_this_process=[],
+                  blas=blas.get("name"), architecture=blas.get("architecture"),
+                  threads=blas.get("threads"), numpy=np.__version__)
+    return m
+
+
+def run_xla(be: Backend, case: Case, host: Mapping[str, np.ndarray | None],
+            timing: TimingConfig) -> Measurement:
+    semantic = not has_handwritten_peers(case.op)
+    what = (semantics_peer.what(get_op(case.op), "jax.numpy", case.dtype)
+            + ", jax.jit(lower_semantics(...)): the same computation portakern's jax target "
+            "runs" if semantic else XLA_WHAT.get(case.op, case.op))
     dev, why = jax_device_for(be)
-    what = XLA_WHAT.get(case.op, case.op)
     if dev is None:
         return not_run("unavailable", why, what)
     import jax
 
-    args = [jax.device_put(host[n], dev) for n in _order(case)]
-    f = _xla_fn(case)
+    names = operand_names(case.op)
+    if semantic:  # every operand in order, None for absent optional ones
+        args = [None if host[n] is None else jax.device_put(host[n], dev) for n in names]
+    else:  # the hand-written expressions take the operands the built-in cases have
+        args = [jax.device_put(host[n], dev) for n in names if host[n] is not None]
+    if semantic:
+        from ..backends.jax import lower_semantics
+
+        f = jax.jit(lower_semantics(get_op(case.op), _validated_params(case, host), case.dtype))
+    else:
+        f = _xla_fn(case)
     m = measure(lambda: f(*args).block_until_ready(), lambda: None, timing, what=what)
     m.info.update(device=str(dev), jax=jax.__version__)
     return m
@@ -265,23 +343,31 @@ def run_clblast(be: Backend, case: Case, native: Mapping[str, Any], timing: Timi
     return m
 
 
-def run_cupy(key: str, be: Backend, case: Case, host: Mapping[str, np.ndarray],
+def run_cupy(key: str, be: Backend, case: Case, host: Mapping[str, np.ndarray | None],
              native: Mapping[str, Any], timing: TimingConfig) -> Measurement:
-    what = {"cublas": "cupy.matmul (CUPY_TF32=0)",
-            "cupy": "cupy max-subtracted exp / sum along the last axis"}[key]
+    semantic = key == "cupy" and not has_handwritten_peers(case.op)
+    what = (semantics_peer.what(get_op(case.op), "cupy", case.dtype) if semantic else
+            {"cublas": "cupy.matmul (CUPY_TF32=0)",
+             "cupy": "cupy max-subtracted exp / sum along the last axis"}[key])
     idx, why = cupy_device_for(be)
     if idx is None:
         return not_run("unavailable", why, what)
     import cupy
 
+    names = operand_names(case.op)
     with cupy.cuda.Device(idx) as dev:
-        if be.name == "cuda":
-            args = [native[n] for n in _order(case)]
-        else:
-            args = [cupy.asarray(host[n]) for n in _order(case)]
         if case.dtype == "bfloat16":
             return not_run("unavailable", "cupy has no bfloat16 arithmetic", what)
-        if key == "cublas":
+        if be.name == "cuda":
+            args = [native.get(n) for n in names]
+        else:
+            args = [None if host[n] is None else cupy.asarray(host[n]) for n in names]
+        if not semantic:  # the hand-written expressions take the present operands
+            args = [a for a in args if a is not None]
+        if semantic:
+            fn = semantics_peer.semantics_call(get_op(case.op), cupy, args,
+                                               _validated_params(case, host), case.dtype)
+        elif key == "cublas":
             def fn() -> Any:
                 return cupy.matmul(args[0], args[1])
         else:
@@ -360,6 +446,8 @@ class Peers:
         try:
             if key == "numpy":
                 w = self.numpy_worker()
+                if w is not None and not w.knows(case.op):
+                    return run_numpy_here(case, host, timing)
                 if w is None:
                     return not_run("error", f"the numpy peer process failed to start: "
                                    f"{self._numpy_error}")

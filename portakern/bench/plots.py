@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-UNIT = {"softmax": "GB/s"}
+UNIT = {"softmax": "GB/s", "matmul": "GFLOP/s", "attention": "GFLOP/s"}
+MEMORY_BOUND_INTENSITY = 2.0  # FLOP/byte: below this an op is plotted in GB/s
 # (line style, marker) per implementation, so peers of one target (one colour) stay apart
 STYLE = {"ours": ("-", "o"), "unfused": (":", "s"), "numpy": ("--", "^"), "xla": ("-.", "v"),
          "clblast": ((0, (3, 1, 1, 1)), "D"), "cublas": ("--", "P"), "cupy": ("-.", "X"),
@@ -32,17 +33,28 @@ def _figure() -> tuple[Any, Any]:
     return fig, fig.add_subplot(1, 1, 1)
 
 
-def _rate(op: str, rec: Mapping[str, Any], seconds: float | None) -> float | None:
-    if not seconds or seconds <= 0:
+def unit_for(op: str, recs: Sequence[Mapping[str, Any]] = ()) -> str:
+    """GB/s for memory-bound ops (bytes are their natural unit), else GFLOP/s. Ops the table
+    does not name (user ops) are judged by their cost model's intensity."""
+    if op in UNIT:
+        return UNIT[op]
+    ints = [float(r["cost"]["flops"]) / float(r["cost"]["bytes"]) for r in recs
+            if (r.get("cost") or {}).get("flops") is not None and r["cost"].get("bytes")]
+    return "GB/s" if ints and max(ints) < MEMORY_BOUND_INTENSITY else "GFLOP/s"
+
+
+def _rate(unit: str, rec: Mapping[str, Any], seconds: float | None) -> float | None:
+    c = rec.get("cost") or {}
+    if not seconds or seconds <= 0 or c.get("flops") is None:
         return None
-    c = rec["cost"]
-    return (c["bytes"] if UNIT.get(op) == "GB/s" else c["flops"]) / seconds / 1e9
+    return (c["bytes"] if unit == "GB/s" else c["flops"]) / seconds / 1e9
 
 
 def _ordered_labels(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     seen: dict[str, float] = {}
     for r in recs:
-        seen[r["label"]] = max(seen.get(r["label"], 0.0), float(r["cost"]["flops"]))
+        seen[r["label"]] = max(seen.get(r["label"], 0.0),
+                               float((r.get("cost") or {}).get("flops") or 0.0))
     return sorted(seen, key=lambda k: (seen[k], k))
 
 
@@ -60,6 +72,7 @@ def plot_run(result: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
     written = []
     for (op, dtype), recs in sorted(groups.items()):
         labels = _ordered_labels(recs)
+        unit = unit_for(op, recs)
         xs = {lab: i for i, lab in enumerate(labels)}
         fig, ax = _figure()
         colors = ["C0", "C1", "C2", "C3", "C4", "C5"]
@@ -78,11 +91,11 @@ def plot_run(result: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
                     impls[k] = m
                     names[k] = m.get("name", k)
                 for k, m in impls.items():
-                    y = _rate(op, r, m.get("median_s")) if m.get("status") == "ok" else None
+                    y = _rate(unit, r, m.get("median_s")) if m.get("status") == "ok" else None
                     if y:
                         series.setdefault(k, []).append((x, y))
                 bs = (r.get("roofline") or {}).get("bound_s")
-                y = _rate(op, r, bs)
+                y = _rate(unit, r, bs)
                 if y:
                     roof.append((x, y))
             for k, pts in series.items():
@@ -98,7 +111,7 @@ def plot_run(result: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
         ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
         if anything:
             ax.set_yscale("log")
-        ax.set_ylabel(f"{UNIT.get(op, 'GFLOP/s')} (cost model / median time)")
+        ax.set_ylabel(f"{unit} (cost model / median time)")
         ax.set_title(f"{op} {dtype} — {result.get('environment', {}).get('hostname', '')}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))

@@ -74,6 +74,8 @@ def md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 def timing_cell(m: Mapping[str, Any] | None) -> str:
     if not m:
         return "—"
+    if m.get("status") == "not_applicable":
+        return "n/a"
     if m.get("status") != "ok" or m.get("median_s") is None:
         return f"{m.get('status', '?')}"
     med, q1, q3 = m["median_s"], m.get("q1_s", m["median_s"]), m.get("q3_s", m["median_s"])
@@ -233,6 +235,8 @@ def run_markdown(result: Mapping[str, Any]) -> str:
     lines += ["", md_table(["target", "device", "copy GB/s (own probe)",
                             "FMA GFLOP/s (own probe)", "roof used: GB/s",
                             "roof used: GFLOP/s"], trows)]
+    for op, why in (result.get("ops_without_sizes") or {}).items():
+        lines += ["", f"Op {op} not benchmarked: {_cell(why)}"]
     rows = []
     cases = sorted(result.get("cases", []), key=lambda r: (r["op"], r["dtype"], _flops(r),
                                                            r["label"], r["target"]))
@@ -274,6 +278,7 @@ def run_markdown(result: Mapping[str, Any]) -> str:
                   f"processes used more than {CONTENTION_NOTE:.0%} of the CPUs (up to "
                   f"{worst:.0%}; column \"others' CPU\"). Their absolute times are suspect; "
                   f"ratios, measured back to back, less so{which}."]
+    lines += dispatch_markdown(result.get("dispatch") or {})
     plats = [t["platform"] for t in result.get("targets", {}).values()]
     if plats:
         names = {t["platform"]: lab for lab, t in result.get("targets", {}).items()}
@@ -288,6 +293,42 @@ def run_markdown(result: Mapping[str, Any]) -> str:
     if result.get("wall_s") is not None:
         lines += ["", f"wall time {result['wall_s']:.1f} s"]
     return "\n".join(lines) + "\n"
+
+
+def _us_spread(m: Mapping[str, float]) -> str:
+    """'12.3 µs ±4%': a median in microseconds and half its IQR relative to it."""
+    med = m["median"]
+    text = f"{med:.3g} µs"
+    return text + (f" ±{100 * (m['q3'] - m['q1']) / 2 / med:.0f}%" if med > 0 else "")
+
+
+def dispatch_markdown(dispatch: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Lines of the dispatch-overhead table (one row per target; empty when not measured)."""
+    if not dispatch:
+        return []
+    rows = []
+    head = None
+    for target, d in dispatch.items():
+        if d.get("status") != "ok":
+            rows.append([target, d.get("status", "?"), "", "", "", "",
+                         _cell(str(d.get("reason", ""))[:100])])
+            continue
+        head = head or d
+        pc, ov, ok = d["per_call_us"], d["overhead_us"], d["meets_target"]
+        rows.append([target, _us_spread(pc["call"]), _us_spread(pc["call_out"]),
+                     _us_spread(pc["raw"]),
+                     f"{ov['call']:+.3g} µs", f"{ov['call_out']:+.3g} µs",
+                     f"call {'yes' if ok['call'] else 'no'}, out= "
+                     f"{'yes' if ok['call_out'] else 'no'}"])
+    bound = (head or {}).get("target_us", 10.0)
+    what = (f"{head['op']} {'x'.join(map(str, head['shape']))} {head['dtype']}, "
+            f"device-resident, {head['iterations']} calls per block + one synchronize, median of "
+            f"{head['rounds']} interleaved rounds" if head else "")
+    return ["", f"Dispatch overhead ({what}; target: a call adds at most {bound:g} µs over the "
+            "raw enqueue of the same compiled kernel):", "",
+            md_table(["target", "pk.call per call", "pk.call(out=) per call",
+                      "raw enqueue per call", "overhead pk.call", "overhead out=",
+                      f"within {bound:g} µs"], rows)]
 
 
 # --- many runs ------------------------------------------------------------------------------------

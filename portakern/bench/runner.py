@@ -34,15 +34,16 @@ from .. import backends as registry
 from .. import selection
 from ..api import call
 from ..backends.base import Backend, KernelBackend
+from ..errors import PortakernError
 from ..ops import get_op
 from . import environment, metrics
-from .peers import PEER_NAMES, Peers, jax_device_for
+from .dispatch import DispatchConfig, measure_dispatch
+from .peers import PEER_NAMES, Peers, jax_device_for, peer_name
 from .probes import Roofline, combine, probe_jax, probe_kernel_backend
-from .suites import TIMING, Case, make_inputs, suite_cases
+from .suites import TIMING, Case, make_inputs, metadata_inputs, operand_names, suite_cases
 from .timing import Measurement, TimingConfig, measure, not_run
 
 SCHEMA = "portakern-bench/1"
-OPERAND_ORDER = {"matmul": ("a", "b"), "softmax": ("x",), "attention": ("q", "k", "v")}
 
 
 @dataclass
@@ -60,16 +61,25 @@ class BenchConfig:
     probes: bool = True
     unfused: bool = True
     timing: TimingConfig | None = None
+    dispatch: bool | None = None  # None: measured in the quick suite only
+    dispatch_config: DispatchConfig | None = None
     progress: TextIO = field(default=sys.stderr, repr=False)
 
     def effective_timing(self) -> TimingConfig:
         return self.timing or TIMING[self.suite]
 
+    def dispatch_enabled(self) -> bool:
+        """The dispatch-overhead measurement runs in ``quick`` unless switched off (it is a
+        property of the library, not of a size, so one suite carries it)."""
+        return self.suite == "quick" if self.dispatch is None else self.dispatch
+
     def as_dict(self) -> dict[str, Any]:
         return {"suite": self.suite, "ops": self.ops, "targets": self.targets,
                 "dtypes": self.dtypes, "peers": self.peers, "limit": self.limit,
                 "out": self.out, "plots": self.plots, "probes": self.probes,
-                "unfused": self.unfused, "timing": self.effective_timing().as_dict()}
+                "unfused": self.unfused, "timing": self.effective_timing().as_dict(),
+                "dispatch": self.dispatch_enabled(),
+                "dispatch_config": (self.dispatch_config or DispatchConfig()).as_dict()}
 
 
 # --- progress ---------------------------------------------------------------------------------
@@ -192,7 +202,7 @@ def measure_ours(be: Backend, case: Case, native: Mapping[str, Any], timing: Tim
     spec = get_op(case.op)
     what = (f"portakern.call({case.op!r}) on device-resident inputs: validation, launch, "
             "output allocation and kernel, synchronised")
-    args = [native[n] for n in OPERAND_ORDER[case.op]]
+    args = [native.get(n) for n in operand_names(case.op)]  # None: absent optional operand
     compile_s, kcfg, cached = None, None, False
     if isinstance(be, KernelBackend):
         prob = spec.problem(*spec.bind(args, dict(case.params)))
@@ -262,7 +272,7 @@ def attention_memory(be: Backend, case: Case) -> dict[str, Any]:
                             "the pre-scaled q and transposed k the chain is given"}}
     if isinstance(be, KernelBackend):
         spec = get_op("attention")
-        prob = spec.problem(*spec.bind(make_inputs_meta(case), dict(case.params)))
+        prob = spec.problem(*spec.bind(metadata_inputs(case), dict(case.params)))
         cfg = be.config_for(spec, prob, None)
         d = spec.defines(prob, cfg)
         if "BQ" in d and "BK" in d:
@@ -286,19 +296,9 @@ def attention_memory(be: Backend, case: Case) -> dict[str, Any]:
     return out
 
 
-class _Meta:
-    """Shape/dtype stand-in so a spec can validate a case without allocating it."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
-        self.shape, self.dtype = shape, dtype
-
-
 def make_inputs_meta(case: Case) -> list[Any]:
-    from .. import dtypes
-    from .suites import shapes
-
-    st = dtypes.info(case.dtype).storage
-    return [_Meta(shp, st) for shp in shapes(case).values()]
+    """Shape/dtype stand-ins of a case's operands (see suites.metadata_inputs)."""
+    return metadata_inputs(case)
 
 
 def derive(rec: dict[str, Any], roof: Roofline) -> None:
@@ -306,7 +306,11 @@ def derive(rec: dict[str, Any], roof: Roofline) -> None:
     flops, nbytes = rec["cost"]["flops"], rec["cost"]["bytes"]
     peak = roof.peak_for(rec["compute_dtype"]) if roof.status == "ok" else None
     bw = roof.copy_gbs if roof.status == "ok" else None
-    if peak and bw:
+    if flops is None or nbytes is None:  # the op refused the case: no cost model to rate
+        peak = bw = None
+        rec["roofline"] = {"status": "unavailable", "reason": "the op's validate refused this "
+                           "case, so it has no cost"}
+    elif peak and bw:
         rec["roofline"] = {
             "peak_gflops": peak, "bw_gbs": bw,
             "bound_gflops": metrics.roofline_gflops(peak, bw, metrics.intensity(flops, nbytes)),
@@ -322,7 +326,7 @@ def derive(rec: dict[str, Any], roof: Roofline) -> None:
     ach: dict[str, Any] = {}
     for k, m in impls.items():
         t = m.get("median_s")
-        if m.get("status") != "ok" or not t:
+        if m.get("status") != "ok" or not t or flops is None:
             continue
         gf, gb = metrics.achieved(t, flops, nbytes)
         ach[k] = {"gflops": gf, "gbs": gb}
@@ -340,25 +344,40 @@ def derive(rec: dict[str, Any], roof: Roofline) -> None:
     rec["supported"] = rec["ours"].get("status") == "ok"
 
 
-def run_case(be: Backend, case: Case, host: Mapping[str, np.ndarray], peers: Peers,
+def run_case(be: Backend, case: Case, host: Mapping[str, np.ndarray | None], peers: Peers,
              cfg: BenchConfig, roof: Roofline, platform: str, progress: Progress
              ) -> dict[str, Any]:
     from .. import dtypes
 
     spec = get_op(case.op)
     timing = cfg.effective_timing()
-    prob = spec.problem(*spec.bind([host[n] for n in OPERAND_ORDER[case.op]], dict(case.params)))
-    cost = spec.cost(prob)
+    names = operand_names(case.op)
+    refused = ""
+    try:
+        prob = spec.problem(*spec.bind([host[n] for n in names], dict(case.params)))
+        cost = spec.cost(prob)
+        cost_rec = {"flops": cost.flops, "bytes": cost.bytes,
+                    "intensity": metrics.intensity(cost.flops, cost.bytes)}
+    except PortakernError as exc:  # e.g. a user op that does not take this dtype
+        refused = f"{type(exc).__name__}: {exc}"
+        cost_rec = {"flops": None, "bytes": None, "intensity": None}
     rec: dict[str, Any] = {
         "id": case.id, "op": case.op, "dtype": case.dtype, "label": case.label,
         "size": case.size, "params": case.params,
         "compute_dtype": dtypes.info(case.dtype).compute.name,
-        "shapes": {n: list(x.shape) for n, x in host.items()},
-        "cost": {"flops": cost.flops, "bytes": cost.bytes,
-                 "intensity": metrics.intensity(cost.flops, cost.bytes)},
+        "shapes": {n: list(x.shape) for n, x in host.items() if x is not None},
+        "cost": cost_rec,
         "target": be.label, "backend": be.name, "device": be.device.name, "platform": platform,
-        "peers": {}, "unfused": None, "loadavg_1m": _loadavg(),
+        "peers": {}, "unfused": None if case.op == "attention" else not_run(
+            "not_applicable", "the unfused chain is attention's (matmul -> softmax -> matmul "
+            f"through portakern); {case.op} is a single kernel with no unfused form here"
+        ).as_dict(), "loadavg_1m": _loadavg(),
     }
+    if refused:
+        rec["ours"] = not_run("unsupported", f"{case.op} refuses this case: {refused}").as_dict()
+        derive(rec, roof)
+        progress.line(f"        ours: unsupported ({refused[:120]})")
+        return rec
     if case.dtype not in be.supported_dtypes():
         rec["ours"] = not_run("unsupported", f"{be.describe()} does not support {case.dtype} "
                               f"(it supports {', '.join(be.supported_dtypes())})").as_dict()
@@ -366,7 +385,7 @@ def run_case(be: Backend, case: Case, host: Mapping[str, np.ndarray], peers: Pee
         progress.line(f"        ours: unsupported ({case.dtype} on {be.label})")
         return rec
     try:
-        native = {n: be.to_native(host[n]) for n in OPERAND_ORDER[case.op]}
+        native = {n: be.to_native(x) for n, x in host.items() if x is not None}
     except Exception as exc:
         rec["ours"] = not_run("error", f"uploading inputs failed: {type(exc).__name__}: "
                               f"{exc}").as_dict()
@@ -397,12 +416,13 @@ def run_case(be: Backend, case: Case, host: Mapping[str, np.ndarray], peers: Pee
                 gc.collect()
         if m.ok:
             for key in peers.keys(case.op, be):
-                progress.start(f"        {PEER_NAMES[key]:<24s}")
+                name = peer_name(key, case.op)
+                progress.start(f"        {name:<24s}")
                 mp = peers.run(key, be, case, host, native, timing)
                 progress.done(mp)
                 d = mp.as_dict()
-                d["name"] = PEER_NAMES[key]
-                if key == "numpy" and mp.info.get("blas"):
+                d["name"] = name
+                if key == "numpy" and mp.info.get("blas") and name == PEER_NAMES["numpy"]:
                     d["name"] = f"numpy/{mp.info['blas']}"
                 rec["peers"][key] = d
                 gc.collect()
@@ -466,14 +486,16 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     prev_tf32 = os.environ.get("CUPY_TF32")
     os.environ["CUPY_TF32"] = "0"  # cuBLAS fp32 GEMM must be fp32, not TF32
-    cases = suite_cases(cfg.suite, cfg.ops, cfg.dtypes, cfg.limit)
+    ops_skipped: dict[str, str] = {}
+    cases = suite_cases(cfg.suite, cfg.ops, cfg.dtypes, cfg.limit, skipped=ops_skipped)
     targets, skipped = open_targets(cfg.targets)
     env = environment.collect()
     env["CUPY_TF32_before_bench"] = prev_tf32
     env["loadavg_1m_at_start"] = _loadavg()
     result: dict[str, Any] = {"schema": SCHEMA, "config": cfg.as_dict(), "environment": env,
-                              "targets": {}, "targets_unavailable": skipped, "cases": [],
-                              "interrupted": False, "complete": False}
+                              "targets": {}, "targets_unavailable": skipped,
+                              "ops_without_sizes": ops_skipped, "dispatch": {},
+                              "cases": [], "interrupted": False, "complete": False}
     if not targets:
         progress.line("portakern bench: no target can run here: "
                       + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
@@ -485,6 +507,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                   f"target(s) ({', '.join(b.label for b in targets) or 'none'}) -> {cfg.out}")
     for name, why in skipped.items():
         progress.line(f"  skipped {name}: {why}")
+    for name, why in ops_skipped.items():
+        progress.line(f"  skipped op {name}: {why}")
     roofs: dict[str, Roofline] = {}
     n_done = 0
     try:
@@ -514,6 +538,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         if "numpy" in peers.wanted and any(b.device.kind == "cpu" for b in targets):
             env["numpy_peer"] = peers.numpy_info()
         write_json(result, cfg.out)
+        if cfg.dispatch_enabled():
+            run_dispatch(targets, cfg, result, progress)
+            write_json(result, cfg.out)
         total = len(cases) * len(targets)
         meter = environment.CpuMeter()
         for case in cases:
@@ -550,6 +577,27 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         env["loadavg_1m_at_end"] = _loadavg()
         write_json(result, cfg.out)
     return result
+
+
+def run_dispatch(targets: list[Backend], cfg: BenchConfig, result: dict[str, Any],
+                 progress: Progress) -> None:
+    """The dispatch-overhead measurement (dispatch.py) on every target, into result."""
+    dcfg = cfg.dispatch_config or DispatchConfig()
+    for be in targets:
+        progress.start(f"dispatch overhead on {be.label} (softmax {dcfg.shape_text}) ...")
+        try:
+            rec = measure_dispatch(be, dcfg)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            rec = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:800]}"}
+        result["dispatch"][be.label] = rec
+        if rec.get("status") == "ok":
+            o = rec["overhead_us"]
+            progress.line(f" pk.call +{o['call']:.3g} µs, pk.call(out=) +{o['call_out']:.3g} µs "
+                          f"over the raw enqueue ({rec['per_call_us']['raw']['median']:.3g} µs)")
+        else:
+            progress.line(f" {rec.get('status')}: {rec.get('reason', '')[:160]}")
 
 
 def with_timing_overrides(base: TimingConfig, **kw: Any) -> TimingConfig:
