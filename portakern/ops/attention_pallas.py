@@ -377,8 +377,8 @@ def build(problem: Problem, interpret: bool, *, block_q: int | None = None,
 
     def fused_bwd(res: tuple[Any, ...], g: Any) -> tuple[Any, ...]:
         q, k, v, mask = res
-        _, vjp = jax.vjp(lambda a, b, c: ref(a, b, c, mask), q, k, v)
-        dq, dk, dv = vjp(g)
+        out, vjp = jax.vjp(lambda a, b, c: ref(a, b, c, mask), q, k, v)
+        dq, dk, dv = vjp(g.astype(out.dtype))  # the reference rounds to the problem dtype
         return dq, dk, dv, None  # the boolean mask has no cotangent
 
     fused.defvjp(fused_fwd, fused_bwd)
