@@ -37,10 +37,12 @@ import numpy as np
 from portakern import dtypes
 from portakern.errors import (
     BackendUnavailable,
+    DeviceMemoryError,
     InvalidArgumentError,
     UnknownBackendError,
     UnsupportedDTypeError,
 )
+from portakern.host import host_operands, native_byte_order
 from portakern.spec import KernelSpec, Problem
 
 from .base import Availability, Backend, DeviceInfo
@@ -271,9 +273,36 @@ class JaxBackend(Backend):
     def is_native(self, x: object) -> bool:
         return jax is not None and (isinstance(x, jax.Array) or _is_tracer(x))
 
+    def run(self, spec: KernelSpec, prob: Problem, arrays: Mapping[str, Any],
+            config: Mapping[str, int] | None = None, out: Any = None) -> Any:
+        """Base run, after checking every non-native operand against the shape/dtype that
+        validation saw (portakern.host) — all of them before any is uploaded."""
+        return super().run(spec, prob, host_operands(arrays, self.is_native), config, out=out)
+
+    def _oom(self, what: str, nbytes: int, exc: BaseException) -> DeviceMemoryError:
+        """DeviceMemoryError naming the request and, where XLA reports it, the device's memory."""
+        try:
+            stats = self._jax_device.memory_stats() or {}
+        except Exception:
+            stats = {}
+        have = (f"{stats['bytes_limit'] - stats.get('bytes_in_use', 0)} of "
+                f"{stats['bytes_limit']} bytes free" if "bytes_limit" in stats
+                else "free memory not reported")
+        return DeviceMemoryError(
+            f"cannot allocate {nbytes} bytes for {what} on {self.describe()} ({have}): "
+            f"{str(exc)[:300]}. Fix: split the call into smaller pieces, delete arrays you no "
+            "longer need, or use a device with more memory.")
+
     def to_native(self, x: np.ndarray) -> Any:
+        x = native_byte_order(x)  # XLA refuses non-native byte orders
         self.transfers.add("h2d", x.nbytes)
-        return jax.device_put(x, self._jax_device)
+        try:
+            return jax.device_put(x, self._jax_device)
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            raise self._oom(f"an input {x.shape} {dtypes.dtype_name(x.dtype)}", x.nbytes,
+                            exc) from None
 
     def to_numpy(self, x: Any) -> Any:
         if _is_tracer(x):  # numpy operands inside a trace give a traced result, as jnp does
@@ -336,6 +365,8 @@ class JaxBackend(Backend):
                     if use_pallas:
                         kernel = spec.pallas(prob, self.interpret, platform=self.device.kind,
                                              reference=lowered, **(blocks or {}))
+                        if self.interpret and prob.dtype == "bfloat16":
+                            kernel = _widened(kernel, jnp.bfloat16)
                         fn = jax.jit(kernel)
                     else:
                         fn = jax.jit(lowered)
@@ -367,10 +398,22 @@ class JaxBackend(Backend):
     def execute(self, spec: KernelSpec, prob: Problem, ins: dict[str, Any],
                 config: Mapping[str, int] | None) -> Any:
         fn = self.compiled(spec, prob, config)
-        out = fn(*[ins.get(o.name) for o in spec.operands])
+        try:
+            out = fn(*[ins.get(o.name) for o in spec.operands])
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            nbytes = int(np.prod(prob.out_shape, dtype=np.int64)) * prob.info.storage.itemsize
+            raise self._oom(f"{spec.name} (output {prob.out_shape} {prob.dtype} and XLA's "
+                            "temporaries)", nbytes, exc) from None
         if not _is_tracer(out):
             self._pending = out
         return out
+
+
+def _is_oom(exc: BaseException) -> bool:
+    """XLA reports an allocation failure as a runtime error whose status is RESOURCE_EXHAUSTED."""
+    return isinstance(exc, RuntimeError) and "RESOURCE_EXHAUSTED" in str(exc)
 
 
 def _default(devices: list[DeviceInfo]) -> DeviceInfo:
@@ -379,3 +422,20 @@ def _default(devices: list[DeviceInfo]) -> DeviceInfo:
 
 
 __all__ = ["XP", "JaxBackend", "lower_semantics", "x64_enabled"]
+
+
+def _widened(kernel: Any, storage: Any) -> Any:
+    """Run an interpreted Pallas kernel on float32 copies of bfloat16 operands.
+
+    Why: XLA:CPU (jaxlib 0.10.2) segfaulted compiling the interpreted bf16 attention kernel
+    after many earlier compilations in one process (reproduced twice in CI-profile runs).
+    The kernel computes in float32 anyway and bf16 widens to float32 exactly, so the result
+    is the same; only interpret mode (CPU) takes this path — GPUs and TPUs run bf16 as is.
+    """
+
+    def run(*operands: Any) -> Any:
+        wide = [x.astype(jnp.float32) if x is not None and x.dtype == storage else x
+                for x in operands]
+        return kernel(*wide).astype(storage)
+
+    return run

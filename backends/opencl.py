@@ -10,6 +10,7 @@ default, which the tolerance rules allow); fp16 storage uses core vload_half/vst
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,8 @@ from portakern.errors import (
     DeviceMemoryError,
     UnknownBackendError,
 )
-from portakern.spec import Launch
+from portakern.host import host_operands, native_byte_order
+from portakern.spec import KernelSpec, Launch, Problem
 
 from .base import Availability, DeviceInfo, KernelBackend
 
@@ -35,6 +37,23 @@ except Exception as exc:  # pragma: no cover - depends on the machine
     _IMPORT_ERROR = exc
 
 BUILD_OPTIONS: tuple[str, ...] = ()
+
+# OpenCL status codes that mean "this allocation cannot be had", whatever exception class
+# pyopencl maps them to: MEM_OBJECT_ALLOCATION_FAILURE (MemoryError), OUT_OF_RESOURCES and
+# OUT_OF_HOST_MEMORY (RuntimeError), INVALID_BUFFER_SIZE (LogicError: more than the device's
+# max_mem_alloc_size, e.g. an output that fits 32-bit indexing but not one buffer).
+_ALLOCATION_FAILURES = frozenset((-4, -5, -6, -61))
+
+
+def _is_allocation_failure(exc: BaseException) -> bool:
+    if cl is None or not isinstance(exc, cl.Error):
+        return False
+    if isinstance(exc, cl.MemoryError):
+        return True
+    try:
+        return int(exc.code) in _ALLOCATION_FAILURES
+    except Exception:  # an Error built by hand has no status record
+        return False
 
 
 def _kind(dev: Any) -> str:
@@ -132,6 +151,25 @@ class OpenCLBackend(KernelBackend):
     def is_native(self, x: object) -> bool:
         return cla is not None and isinstance(x, cla.Array)
 
+    def run(self, spec: KernelSpec, prob: Problem, arrays: Mapping[str, Any],
+            config: Mapping[str, int] | None = None, out: Any = None) -> Any:
+        """Base run, after checking every non-native operand against the shape/dtype that
+        validation saw (portakern.host) and the tunables against their domains — all before
+        anything is uploaded."""
+        if config:
+            self.config_for(spec, prob, config)
+        return super().run(spec, prob, host_operands(arrays, self.is_native), config, out=out)
+
+    def _oom(self, what: str, nbytes: int, exc: BaseException) -> DeviceMemoryError:
+        """DeviceMemoryError naming the request and what the device offers."""
+        dev = self._cl_device
+        return DeviceMemoryError(
+            f"cannot allocate {nbytes} bytes for {what} on {self.describe()}: the device has "
+            f"{dev.global_mem_size} bytes of global memory and allows at most "
+            f"{dev.max_mem_alloc_size} bytes in one allocation ({type(exc).__name__}: {exc}). "
+            "Fix: split the call into smaller pieces (e.g. over the batch), free device "
+            "arrays you no longer need, or use a device with more memory.")
+
     def prepare_native(self, name: str, x: Any) -> Any:
         if x.context != self.ctx:
             raise BackendUnavailable(
@@ -146,31 +184,35 @@ class OpenCLBackend(KernelBackend):
         return x
 
     def to_native(self, x: np.ndarray) -> Any:
+        x = native_byte_order(x)  # kernels read native-order floats; '>f4' is float32 too
         self.transfers.add("h2d", x.nbytes)
         try:
             return cla.to_device(self.queue, x)
-        except cl.MemoryError as exc:
-            raise DeviceMemoryError(f"cannot allocate {x.nbytes} bytes on {self.describe()} "
-                                    f"(global memory {self._cl_device.global_mem_size}): {exc}"
-                                    ) from None
+        except cl.Error as exc:
+            if not _is_allocation_failure(exc):
+                raise
+            raise self._oom(f"an input {x.shape} {dtypes.dtype_name(x.dtype)}", x.nbytes,
+                            exc) from None
 
     def to_numpy(self, x: Any) -> np.ndarray:
         self.transfers.add("d2h", x.nbytes)
         return x.get(queue=self.queue)
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
-        st = dtypes.info(dtype).storage
-        nbytes = int(np.prod(shape)) * st.itemsize
-        try:
-            return cla.empty(self.queue, shape, st)
-        except (cl.MemoryError, cl.RuntimeError) as exc:
-            raise DeviceMemoryError(
-                f"cannot allocate {nbytes} bytes for an output {shape} {dtype} on "
-                f"{self.describe()} (global memory {self._cl_device.global_mem_size}, max "
-                f"allocation {self._cl_device.max_mem_alloc_size}): {exc}") from None
+        return self._allocate(cla.empty, shape, dtype)
 
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
-        return cla.zeros(self.queue, shape, dtypes.info(dtype).storage)
+        return self._allocate(cla.zeros, shape, dtype)
+
+    def _allocate(self, fn: Any, shape: tuple[int, ...], dtype: str) -> Any:
+        st = dtypes.info(dtype).storage
+        try:
+            return fn(self.queue, shape, st)
+        except cl.Error as exc:
+            if not (_is_allocation_failure(exc) or isinstance(exc, cl.RuntimeError)):
+                raise
+            nbytes = int(np.prod(shape, dtype=np.int64)) * st.itemsize
+            raise self._oom(f"an output {shape} {dtype}", nbytes, exc) from None
 
     def synchronize(self) -> None:
         self.queue.finish()
@@ -197,7 +239,14 @@ class OpenCLBackend(KernelBackend):
         gsize = tuple(g * lo for g, lo in zip(launch.groups, launch.local))
         with self._lock:  # clSetKernelArg on a shared kernel object is not thread-safe
             kernel.set_args(*args)
-            cl.enqueue_nd_range_kernel(self.queue, kernel, gsize, launch.local)
+            try:
+                cl.enqueue_nd_range_kernel(self.queue, kernel, gsize, launch.local)
+            except cl.Error as exc:  # drivers may allocate buffers lazily, at first launch
+                if not _is_allocation_failure(exc):
+                    raise
+                nbytes = sum(int(a.size) for a in args if isinstance(a, cl.MemoryObjectHolder))
+                raise self._oom(f"the buffers of kernel {launch.kernel!r}", nbytes,
+                                exc) from None
 
 
 def _cache_dir() -> str | None:

@@ -1,0 +1,455 @@
+"""Faults, each injected: what portakern raises or records, and that everything else goes on.
+
+* a kernel that does not compile: CompileError with the device, the options, the compiler's
+  log and the rendered source numbered so the log's line numbers point into it — for every
+  C-kernel target, and for CUDA through NVRTC where CuPy is importable (no GPU needed);
+  nothing broken is cached, and the same backend keeps compiling good kernels;
+* a device allocation that fails: DeviceMemoryError (a MemoryError) naming the requested and
+  available sizes — injected into pyopencl's upload, output allocation and launch, injected
+  into jax's device_put, and one real refusal: an output larger than the OpenCL device's
+  max_mem_alloc_size (nothing is allocated on the host for it);
+* a backend whose import raises, and one whose probe raises: reported unavailable with the
+  exception, refused by name, while every other backend keeps working;
+* Ctrl-C during ``portakern bench``: in process (KeyboardInterrupt injected into the second
+  case's measurement) and as a real SIGINT to a ``portakern bench`` child process — the result
+  file exists, says ``interrupted``, and holds the case measured before.
+
+The on-disk cache faults (truncated or corrupted files, read-only directory, concurrent
+writers) are tested in tests/test_cache.py and tests/test_tune.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import portakern as pk
+from portakern import backends as registry
+from portakern import codegen, selection
+from portakern.backends.base import Backend, DeviceInfo, KernelBackend, TransferCounter
+
+f32 = np.float32
+A = np.arange(20, dtype=f32).reshape(4, 5)
+B = np.arange(15, dtype=f32).reshape(5, 3)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _available(name: str) -> bool:
+    return bool(pk.backends()[name]["available"])
+
+
+def _broken_spec(name: str, body: str = "  int fine = 1;\n  oops;\n") -> pk.KernelSpec:
+    """softmax with a kernel that cannot compile (the error on a known line)."""
+    src = "PK_KERNEL void softmax() {\n" + body + "}\n"
+    return pk.ops.get_op("softmax").replace(name=name, source=src)
+
+
+def _line_of(log: str) -> int | None:
+    """The first source line number a compiler log points at (clang ':40:3:', NVRTC '(31):')."""
+    m = re.search(r":(\d+):\d+: *(?:fatal )?error", log) or re.search(r"\((\d+)\): *error", log)
+    return int(m.group(1)) if m else None
+
+
+def _check_compile_error(exc: pk.CompileError, needle: str = "oops") -> None:
+    msg = str(exc)
+    assert isinstance(exc, RuntimeError) and isinstance(exc, pk.PortakernError)
+    for part in ("device:", "options:", "--- compiler log ---", "--- rendered source ---"):
+        assert part in msg, f"CompileError lacks {part!r}: {msg[:400]}"
+    assert needle in exc.log, f"the compiler log does not mention {needle!r}: {exc.log}"
+    numbered = msg.split("--- rendered source ---", 1)[1].splitlines()
+    line = _line_of(exc.log)
+    if line is not None:  # the log's line number points at the offending line of the listing
+        hit = [x for x in numbered if re.match(rf"^\s*{line} \| ", x)]
+        assert hit and needle in hit[0], f"log line {line} is not {needle!r}: {hit}"
+
+
+# --- compile errors -----------------------------------------------------------------------
+def test_compile_error_on_every_kernel_target(kernel_target: str) -> None:
+    be = selection.get(kernel_target)
+    assert isinstance(be, KernelBackend)
+    name = f"softmax_broken_{kernel_target.replace(':', '_')}"
+    pk.register_op(_broken_spec(name), replace=True)
+    try:
+        for _ in range(2):  # a failed build is not cached: the second call fails the same way
+            with pytest.raises(pk.CompileError) as info:
+                pk.call(name, A, backend=be)
+            _check_compile_error(info.value)
+        assert be.describe() in str(info.value)
+    finally:
+        pk.unregister_op(name)
+    good = pk.softmax(A, backend=be)  # the backend is unharmed
+    np.testing.assert_allclose(good, pk.softmax(A, backend="numpy"), rtol=1e-5)
+
+
+@contextlib.contextmanager
+def _cuda_without_gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A CudaBackend whose compile() runs real NVRTC for compute_80 on a machine without a GPU.
+
+    CuPy asks the current device for its architecture; with no driver that fails, so the
+    (private) architecture hook is pinned to compute_80/PTX. Loading the module needs a GPU,
+    so only the compile step is exercised — which is where CompileError is made."""
+    cuda = importlib.import_module("portakern.backends.cuda")
+    if cuda.cp is None:
+        pytest.skip(f"cupy is not importable: {cuda._IMPORT_ERROR}")
+    try:
+        cuda.nvrtc_version()
+    except Exception as exc:
+        pytest.skip(f"NVRTC cannot load here: {exc}")
+    compiler = cuda.cp.cuda.compiler
+    if not hasattr(compiler, "_get_arch_for_options_for_nvrtc"):
+        pytest.skip("this CuPy has no _get_arch_for_options_for_nvrtc hook to pin the arch")
+    monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc",
+                        lambda arch=None: ("-arch=compute_80", "ptx"))
+    monkeypatch.setenv("PORTAKERN_CUDA_CACHE", "off")
+    be = object.__new__(cuda.CudaBackend)
+    be.selector, be.transfers, be._lock = "0", TransferCounter(), threading.RLock()
+    be.device = DeviceInfo(0, "compile-only stand-in", "gpu",
+                           extra={"compute_capability": "8.0"})
+    be._cp_device = contextlib.nullcontext()
+    be._options = cuda.compile_options()
+    be._modules, be._kernels, be._configs, be._plans = {}, {}, {}, {}
+    yield be
+
+
+def test_cuda_compile_error_from_nvrtc(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _cuda_without_gpu(monkeypatch) as be:
+        src = codegen.render("PK_KERNEL void k(PK_GLOBAL float* x) {\n  x[0] = 1.0f;\n"
+                             "  oops;\n}\n", "cuda", slots={}, defines={})
+        with pytest.raises(pk.CompileError) as info:
+            be.compile(src, ("k",))
+        _check_compile_error(info.value)
+        assert "NVRTC" in str(info.value) and "compute capability 8.0" in str(info.value)
+        assert "--fmad=true" in info.value.options  # the options it was compiled with
+        assert not be._modules, "a failed NVRTC build must not be cached"
+
+
+# --- device allocation failures ------------------------------------------------------------
+def _opencl() -> Backend:
+    if not _available("opencl"):
+        pytest.skip("opencl unavailable: " + pk.backends()["opencl"]["reason"])
+    return selection.get("opencl:0")
+
+
+def _cl_memory_error(routine: str) -> Exception:
+    """A pyopencl MemoryError as the driver raises it (MEM_OBJECT_ALLOCATION_FAILURE)."""
+    import pyopencl as cl
+
+    record = getattr(cl._cl, "_ErrorRecord", None)
+    code = int(cl.status_code.MEM_OBJECT_ALLOCATION_FAILURE)
+    args = (record(routine, code, "injected by tests/test_faults.py"),) if record else (routine,)
+    return cl.MemoryError(*args)
+
+
+def _check_oom(exc: BaseException, nbytes: int, be: Backend) -> None:
+    assert isinstance(exc, pk.DeviceMemoryError) and isinstance(exc, MemoryError)
+    msg = str(exc)
+    assert f"{nbytes} bytes" in msg, f"requested size {nbytes} not named: {msg}"
+    assert be.describe() in msg and "Fix:" in msg
+    dev = getattr(be, "_cl_device", None)
+    if dev is not None:  # what the device offers
+        assert str(dev.global_mem_size) in msg and str(dev.max_mem_alloc_size) in msg
+
+
+def test_opencl_upload_allocation_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    be = _opencl()
+    import pyopencl.array as cla
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise _cl_memory_error("clCreateBuffer")
+
+    monkeypatch.setattr(cla, "to_device", fail)
+    with pytest.raises(pk.DeviceMemoryError) as info:
+        pk.matmul(A, B, backend=be)
+    _check_oom(info.value, A.nbytes, be)
+    monkeypatch.undo()
+    np.testing.assert_allclose(pk.matmul(A, B, backend=be), A @ B)  # and then it works again
+
+
+@pytest.mark.parametrize("which", ["empty", "zeros"])
+def test_opencl_output_allocation_failure(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+    """``empty`` backs every output; ``zeros`` the empty-result path (here K = 0)."""
+    be = _opencl()
+    import pyopencl.array as cla
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise _cl_memory_error("clCreateBuffer")
+
+    monkeypatch.setattr(cla, which, fail)
+    a, b = (A, B) if which == "empty" else (A[:, :0], B[:0])
+    with pytest.raises(pk.DeviceMemoryError) as info:
+        pk.matmul(a, b, backend=be)
+    _check_oom(info.value, 4 * 3 * 4, be)
+    assert "(4, 3)" in str(info.value)
+
+
+def test_opencl_allocation_failure_at_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drivers may allocate lazily and fail at the first launch that touches a buffer."""
+    be = _opencl()
+    import pyopencl as cl
+
+    pk.matmul(A, B, backend=be)  # compiled and planned: the next call goes straight to launch
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise _cl_memory_error("clEnqueueNDRangeKernel")
+
+    monkeypatch.setattr(cl, "enqueue_nd_range_kernel", fail)
+    with pytest.raises(pk.DeviceMemoryError) as info:
+        pk.matmul(A, B, backend=be)
+    msg = str(info.value)
+    assert "buffers of kernel" in msg and str(A.nbytes + B.nbytes + 4 * 3 * 4) in msg, msg
+    monkeypatch.undo()
+    np.testing.assert_allclose(pk.matmul(A, B, backend=be), A @ B)
+
+
+def test_opencl_real_refusal_of_an_output_over_max_alloc() -> None:
+    """No injection: ask the device for one output buffer larger than it allows. Cheap: the
+    inputs are (m, 1) and (1, n), a few hundred kilobytes, and the driver refuses the output
+    (CL_INVALID_BUFFER_SIZE) before allocating anything."""
+    be = _opencl()
+    dev = be._cl_device  # type: ignore[attr-defined]
+    dtype = np.float64 if "float64" in be.supported_dtypes() else f32
+    elements = dev.max_mem_alloc_size // np.dtype(dtype).itemsize + 1
+    if elements > 2**31 - 1:
+        pytest.skip(f"max_mem_alloc_size {dev.max_mem_alloc_size} is more than a 32-bit "
+                    "indexed output can ask for")
+    m = 1 << 15
+    n = -(-elements // m)
+    a, b = np.ones((m, 1), dtype), np.ones((1, n), dtype)
+    with pytest.raises(pk.DeviceMemoryError) as info:
+        pk.matmul(a, b, backend=be)
+    _check_oom(info.value, m * n * np.dtype(dtype).itemsize, be)
+    np.testing.assert_allclose(pk.matmul(A, B, backend=be), A @ B)  # still usable
+
+
+def test_jax_allocation_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _available("jax"):
+        pytest.skip("jax unavailable: " + pk.backends()["jax"]["reason"])
+    jaxb = importlib.import_module("portakern.backends.jax")
+    from jax.errors import JaxRuntimeError
+
+    be = selection.get("jax:cpu")
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                              f"{A.nbytes} bytes (injected by tests/test_faults.py)")
+
+    monkeypatch.setattr(jaxb.jax, "device_put", fail)
+    with pytest.raises(pk.DeviceMemoryError) as info:
+        pk.matmul(A, B, backend=be)
+    assert f"{A.nbytes} bytes" in str(info.value) and "Fix:" in str(info.value)
+    monkeypatch.undo()
+    np.testing.assert_allclose(pk.matmul(A, B, backend=be), A @ B)
+
+
+# --- a backend whose import (or probe) raises ------------------------------------------------
+@pytest.fixture
+def broken_backends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Register 'brokenimport' (its module raises on import) and 'brokenprobe' (its probe
+    raises); remove both, and every trace of them, afterwards."""
+    mod = "portakern_test_broken_backend"
+    (tmp_path / f"{mod}.py").write_text(textwrap.dedent("""\
+        raise ImportError("simulated: libfakedriver.so.1 cannot be opened")
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class ProbeRaises(Backend):
+        name = "brokenprobe"
+        install_hint = "reinstall the fake driver"
+
+        @classmethod
+        def _probe(cls) -> Any:
+            raise RuntimeError("simulated: driver crashed while listing devices")
+
+    registry.register_backend("brokenimport", f"{mod}:Backend")
+    registry.register_backend("brokenprobe", ProbeRaises)
+    try:
+        yield ("brokenimport", "brokenprobe")
+    finally:
+        for name in ("brokenimport", "brokenprobe"):
+            registry._EXTRA.pop(name, None)
+            registry._CLASSES.pop(name, None)
+        Backend._probe_cache.pop(ProbeRaises, None)
+        sys.modules.pop(mod, None)
+        for key in [k for k in selection._by_text if k.startswith("broken")]:
+            selection._by_text.pop(key, None)
+
+
+def test_a_backend_whose_import_raises_is_reported_and_the_rest_work(
+        broken_backends: tuple[str, str]) -> None:
+    from conftest import TARGETS
+
+    info = pk.backends()
+    imp = info["brokenimport"]
+    assert imp["available"] is False
+    assert "ImportError" in imp["reason"] and "libfakedriver" in imp["reason"] and imp["fix"]
+    probe = info["brokenprobe"]
+    assert probe["available"] is False
+    assert "RuntimeError" in probe["reason"] and "listing devices" in probe["reason"]
+    assert probe["fix"] == "reinstall the fake driver"
+    for name in broken_backends:
+        with pytest.raises(pk.BackendUnavailable) as err:
+            pk.matmul(A, B, backend=name)
+        assert "cannot run here" in str(err.value) and "Fix:" in str(err.value)
+    for t in TARGETS:  # everything else is untouched
+        np.testing.assert_allclose(pk.matmul(A, B, backend=t), A @ B, rtol=1e-3)
+    pk.explain()  # automatic selection skips the broken ones
+    assert selection.automatic()[0].split(":")[0] not in broken_backends
+
+
+def test_broken_backends_leave_no_trace_after_cleanup() -> None:
+    assert "brokenimport" not in registry.names() and "brokenprobe" not in registry.names()
+
+
+# --- Ctrl-C during `portakern bench` ----------------------------------------------------------
+def _bench_target() -> str:
+    for name, sel in (("opencl", "opencl:0"), ("jax", "jax:cpu")):
+        if _available(name):
+            return sel
+    pytest.skip("no benchmark target (opencl or jax) is available")
+
+
+def test_bench_interrupted_in_process_keeps_the_measured_case(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real measurements; KeyboardInterrupt raised inside the SECOND case's measurement."""
+    from portakern.bench import runner
+    from portakern.bench.timing import TimingConfig
+
+    real = runner.measure_ours
+    calls = {"n": 0}
+
+    def measure_then_interrupt(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "measure_ours", measure_then_interrupt)
+    out = tmp_path / "bench.json"
+    cfg = runner.BenchConfig(ops=("matmul",), targets=(_bench_target(),), limit=3,
+                             dtypes=("float32",), out=str(out), probes=False, peers=("cublas",),
+                             unfused=False, progress=open(os.devnull, "w"),  # noqa: SIM115
+                             timing=TimingConfig(min_time=0.01, min_reps=2, budget_s=10))
+    try:
+        res = runner.run_bench(cfg)
+    finally:
+        cfg.progress.close()
+    assert res["interrupted"] is True and res["complete"] is False
+    on_disk = json.loads(out.read_text())
+    assert on_disk["interrupted"] is True
+    first, second = on_disk["cases"][0], on_disk["cases"][1]
+    assert first["ours"]["status"] == "ok" and first["ours"]["median_s"] > 0
+    assert second.get("interrupted") is True and second["ours"]["status"] == "interrupted"
+    assert len(on_disk["cases"]) == 2  # the third case never started
+
+
+def test_bench_survives_a_real_sigint(tmp_path: Path) -> None:
+    """`portakern bench` in a child process, SIGINT while the second case is measured.
+
+    Should the interrupt land in a gc callback anyway (see the next test), a second SIGINT is
+    sent, the file is checked all the same, and the lost interrupt is reported as an xfail."""
+    target = _bench_target()
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-c", "import sys; from portakern.cli import main; "
+           "sys.exit(main(sys.argv[1:]))", "bench", "--ops", "matmul", "--dtypes", "float32",
+           "--backends", target, "--limit", "3", "--peers", "cublas", "--no-probes",
+           "--no-plots", "--no-unfused", "--min-time", "1.5", "--min-reps", "2",
+           "--out", str(out)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lost = False
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if json.loads(out.read_text())["cases"]:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+        time.sleep(0.5)  # into the second case's measurement (see the gc test below)
+        assert proc.poll() is None, "bench finished before it could be interrupted"
+        proc.send_signal(signal.SIGINT)
+        try:
+            output, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            lost = True
+            proc.send_signal(signal.SIGINT)
+            output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 130 and not lost:
+        lost = "Exception ignored" in output and "KeyboardInterrupt" in output
+    res = json.loads(out.read_text())
+    measured = [c for c in res["cases"] if c["ours"]["status"] == "ok"]
+    assert measured and measured[0]["ours"]["median_s"] > 0, res["cases"]
+    if lost:
+        pytest.xfail("the first SIGINT was swallowed (KeyboardInterrupt raised inside a gc "
+                     "callback or __del__); bench/runner.py needs a SIGINT handler that sets "
+                     "a flag checked between measurements")
+    assert proc.returncode == 130, f"exit {proc.returncode}:\n{output[-3000:]}"
+    assert res["interrupted"] is True and res["complete"] is False
+    assert len(res["cases"]) < 3
+    assert "interrupted" in output
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.xfail(strict=True, reason="bench/runner.py relies on KeyboardInterrupt reaching "
+                   "its frames; one raised inside a gc callback (jax registers one, the runner "
+                   "calls gc.collect() after every case) or a __del__ is printed as 'Exception "
+                   "ignored' and lost. Fix: a SIGINT handler in run_bench that sets a flag, "
+                   "checked after each measurement and case")
+def test_ctrl_c_during_garbage_collection_is_not_lost(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    from portakern.bench import runner
+
+    class Stub:
+        name, label = "stub", "stub:0"
+        device = DeviceInfo(0, "stub device", "accelerator")
+
+        def describe(self) -> str:
+            return "stub:0"
+
+    done: list[str] = []
+
+    def fake_case(be: Any, case: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        done.append(case.id)
+        return {"id": case.id, "op": case.op, "ours": {"status": "ok", "median_s": 1e-3},
+                "peers": {}}
+
+    def ctrl_c_in_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start" and len(done) == 1 and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt  # what a Ctrl-C landing here does
+
+    fired: list[bool] = []
+    monkeypatch.setattr(runner, "open_targets", lambda wanted: ([Stub()], {}))
+    monkeypatch.setattr(runner, "run_case", fake_case)
+    gc.callbacks.append(ctrl_c_in_gc)
+    try:
+        cfg = runner.BenchConfig(ops=("matmul",), out=str(tmp_path / "r.json"), probes=False,
+                                 peers=("cublas",), progress=open(os.devnull, "w"))  # noqa: SIM115
+        res = runner.run_bench(cfg)
+        cfg.progress.close()
+    finally:
+        gc.callbacks.remove(ctrl_c_in_gc)
+    assert fired, "the runner did not collect garbage after the first case"
+    assert res["interrupted"] is True and len(res["cases"]) == 1
