@@ -82,6 +82,29 @@ def availability(name: str) -> Availability:
     return got if isinstance(got, Availability) else got.probe()
 
 
+def available_targets(only: set[str] | None = None, exclude: tuple[str, ...] = ()
+                      ) -> tuple[list[str], dict[str, str]]:
+    """Every usable backend's targets (``Backend.test_targets``) and, for the rest, why not.
+
+    The shared test suite, ``portakern check`` and ``portakern bench`` all enumerate targets
+    through this one function, so they agree on what "every backend present" means."""
+    targets: list[str] = []
+    skipped: dict[str, str] = {}
+    for name in names():
+        if name in exclude or (only is not None and name not in only):
+            continue
+        got = load(name)
+        if not isinstance(got, type):
+            skipped[name] = got.reason
+            continue
+        av = got.probe()
+        if not av.available:
+            skipped[name] = f"{av.reason} (fix: {av.fix})"
+            continue
+        targets.extend(got.test_targets())
+    return targets, skipped
+
+
 def report() -> dict[str, dict[str, Any]]:
     """Every registered backend: available?, devices, versions, or why not and how to fix."""
     return {name: availability(name).as_dict() for name in names()}

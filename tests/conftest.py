@@ -31,19 +31,8 @@ SKIPPED: dict[str, str] = {}
 def _targets() -> list[str]:
     wanted = os.environ.get("PORTAKERN_TEST_BACKENDS")
     only = {w.strip() for w in wanted.split(",")} if wanted else None
-    out: list[str] = []
-    for name in registry.names():
-        if only is not None and name not in only:
-            continue
-        got = registry.load(name)
-        if not isinstance(got, type):
-            SKIPPED[name] = got.reason
-            continue
-        av = got.probe()
-        if not av.available:
-            SKIPPED[name] = f"{av.reason} (fix: {av.fix})"
-            continue
-        out.extend(got.test_targets())
+    out, skipped = registry.available_targets(only)
+    SKIPPED.update(skipped)
     return out
 
 

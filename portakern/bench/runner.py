@@ -40,6 +40,7 @@ from . import environment, metrics
 from .dispatch import DispatchConfig, measure_dispatch
 from .peers import PEER_NAMES, Peers, jax_device_for, peer_name
 from .probes import Roofline, combine, probe_jax, probe_kernel_backend
+from .report import fmt_time
 from .suites import TIMING, Case, make_inputs, metadata_inputs, operand_names, suite_cases
 from .timing import Measurement, TimingConfig, measure, not_run
 
@@ -83,14 +84,6 @@ class BenchConfig:
 
 
 # --- progress ---------------------------------------------------------------------------------
-def fmt_time(s: float | None) -> str:
-    if s is None or not math.isfinite(s):
-        return "—"
-    if s >= 1:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} µs"
 
 
 class Progress:
@@ -118,21 +111,7 @@ class Progress:
 # --- targets ----------------------------------------------------------------------------------
 def default_targets() -> tuple[list[str], dict[str, str]]:
     """Every available backend target except numpy (a peer and the oracle, not a kernel)."""
-    sels: list[str] = []
-    skipped: dict[str, str] = {}
-    for name in registry.names():
-        if name == "numpy":
-            continue
-        cls = registry.load(name)
-        if not isinstance(cls, type):
-            skipped[name] = cls.reason
-            continue
-        av = cls.probe()
-        if not av.available:
-            skipped[name] = f"{av.reason} (fix: {av.fix})"
-            continue
-        sels.extend(cls.test_targets())
-    return sels, skipped
+    return registry.available_targets(exclude=("numpy",))
 
 
 def open_targets(wanted: tuple[str, ...] | None) -> tuple[list[Backend], dict[str, str]]:
