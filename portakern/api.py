@@ -44,7 +44,8 @@ def _metadata_key(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[s
         if shape is None or dt is None or isinstance(x, (list, tuple)):
             return None
         parts.append((type(x), tuple(shape), dt))
-    parts.append(tuple(params.items()))
+    # types too: True == 1 and hash(True) == hash(1), yet axis=True must be refused
+    parts.append(tuple((k, type(v), v) for k, v in params.items()))
     key = tuple(parts)
     try:
         hash(key)

@@ -163,3 +163,13 @@ def test_bf16_is_accepted_on_numpy_as_ml_dtypes() -> None:
 
 def _available() -> set[str]:
     return {k for k, v in pk.backends().items() if v["available"]}
+
+
+def test_memoised_validation_tells_bool_from_int(target: str) -> None:
+    """True == 1 in Python; a valid axis=1 call must not let axis=True through afterwards."""
+    pk.softmax(A, axis=1, backend=target)
+    with pytest.raises(pk.InvalidArgumentError, match="bool"):
+        pk.softmax(A, axis=True, backend=target)
+    pk.attention(Q, KV, KV, causal=False, backend=target)
+    with pytest.raises(pk.InvalidArgumentError, match="causal"):
+        pk.attention(Q, KV, KV, causal=0, backend=target)
