@@ -43,7 +43,10 @@ def _metadata_key(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[s
         shape, dt = getattr(x, "shape", None), getattr(x, "dtype", None)
         if shape is None or dt is None or isinstance(x, (list, tuple)):
             return None
-        parts.append((type(x), tuple(shape), dt))
+        try:
+            parts.append((type(x), tuple(shape), dt))
+        except TypeError:  # not a sequence: let validation refuse it with its message
+            return None
     # types too: True == 1 and hash(True) == hash(1), yet axis=True must be refused
     parts.append(tuple((k, type(v), v) for k, v in params.items()))
     key = tuple(parts)

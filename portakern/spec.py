@@ -127,7 +127,7 @@ def array_meta(name: str, x: object, spec: str) -> ArrayMeta:
             f"{type(x).__name__}. Wrap it with np.asarray(...).")
     try:
         shp = tuple(int(s) for s in shape)
-    except TypeError:
+    except (TypeError, ValueError):
         raise NotAnArrayError(f"{spec}: argument {name!r} has a non-integer shape {shape!r}; "
                               "expected an array with a concrete shape.") from None
     return ArrayMeta(shp, dtype)
