@@ -230,5 +230,7 @@ class CpuMeter:
         other /= self.tick
         steal = (after["steal"] - before["steal"]) / self.tick
         cap = wall * self.ncpu
-        return {"wall_s": wall, "other_cpu_s": other, "other_share": other / cap,
-                "steal_share": steal / cap}
+        # /proc/stat counts in ticks (10 ms): over a short window a tick or two can exceed
+        # wall * ncpu, so shares are clamped to what they mean, a fraction of the machine
+        return {"wall_s": wall, "other_cpu_s": other, "other_share": min(1.0, other / cap),
+                "steal_share": min(1.0, max(0.0, steal / cap))}
