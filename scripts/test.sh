@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
 # Set up (idempotent), then run the whole test suite on every backend present.
 # Under CI=true the hypothesis profile "ci" is used (derandomized, deadline=None, 100 examples).
+#
+# Two pytest processes: the jax targets run in their own. XLA:CPU (jaxlib 0.10.2) segfaulted
+# compiling after thousands of earlier compilations in one long process that also held PoCL;
+# each half alone passes. Every backend is still tested; each run prints its own summary of
+# the backends it did NOT test and why.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
-.venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"
-rc=$?
-if [ "$rc" -eq 5 ]; then
-  echo "test.sh: pytest collected no tests — treating that as a failure" >&2
-  exit 1
-fi
-exit "$rc"
+status=0
+run() {
+  PORTAKERN_TEST_BACKENDS="$1" .venv/bin/python -m pytest tests -q -p no:cacheprovider "${@:2}"
+  local rc=$?
+  if [ "$rc" -eq 5 ]; then
+    echo "test.sh: pytest collected no tests for backends $1 — treating that as a failure" >&2
+    rc=1
+  fi
+  [ "$rc" -eq 0 ] || status=$rc
+}
+run numpy,opencl,cuda "$@"
+run jax "$@"
+exit "$status"
