@@ -18,6 +18,7 @@ import numpy as np
 
 from portakern import codegen, dtypes, tune
 from portakern.errors import InvalidArgumentError, UnsupportedDTypeError
+from portakern.host import host_operands
 from portakern.spec import Buf, KernelSpec, Launch, Problem, Scalar
 
 
@@ -184,8 +185,13 @@ class Backend:
         """Execute a validated problem. numpy in -> numpy out; native in -> native out.
 
         ``out``: a native, contiguous array of the result's shape and dtype to write into
-        (C-kernel backends), which saves the allocation on a hot path."""
+        (C-kernel backends), which saves the allocation on a hot path.
+
+        Every non-native operand is checked against the shape/dtype validation saw
+        (portakern.host), all of them before anything is uploaded: one place for every
+        backend, so none can forget it."""
         self.check_dtype(spec, prob)
+        arrays = self.checked_host_operands(arrays)
         present = {k: v for k, v in arrays.items() if v is not None}
         native_out = any(self.is_native(v) for v in present.values())
         if out is not None:
@@ -203,6 +209,10 @@ class Backend:
         res = self.execute(spec, prob, ins, config)
         return res if native_out else self.to_numpy(res)
 
+    def checked_host_operands(self, arrays: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Non-native operands replaced by their checked host arrays (see ``run``)."""
+        return host_operands(arrays, self.is_native)
+
     def check_out(self, spec: KernelSpec, prob: Problem, out: Any) -> None:
         from portakern.errors import DTypeError, ShapeError
 
@@ -216,7 +226,8 @@ class Backend:
         if tuple(out.shape) != tuple(prob.out_shape):
             raise ShapeError(f"{spec.name}: out= has shape {tuple(out.shape)}; expected "
                              f"{tuple(prob.out_shape)}.")
-        if dtypes.dtype_name(out.dtype) != prob.dtype:
+        # the plain dtype comparison is the hot path; the canonical name settles the rest
+        if out.dtype != prob.info.storage and dtypes.dtype_name(out.dtype) != prob.dtype:
             raise DTypeError(f"{spec.name}: out= has dtype {dtypes.dtype_name(out.dtype)}; "
                              f"expected {prob.dtype}.")
         self.prepare_native("out", out)
@@ -239,6 +250,14 @@ class KernelBackend(Backend):
         self._kernels: dict[tuple, Any] = {}
         self._configs: dict[tuple, dict[str, int]] = {}
         self._plans: dict[tuple, list[tuple[Any, Launch, list[Any]]]] = {}
+
+    def run(self, spec: KernelSpec, prob: Problem, arrays: Mapping[str, Any],
+            config: Mapping[str, int] | None = None, out: Any = None) -> Any:
+        """Backend.run, with tunable overrides checked against their domains first, before
+        anything is uploaded."""
+        if config:
+            self.config_for(spec, prob, config)
+        return super().run(spec, prob, arrays, config, out=out)
 
     # subclass API
     def compile(self, source: str, entry_points: tuple[str, ...]) -> dict[str, Any]:

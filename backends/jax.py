@@ -42,7 +42,7 @@ from portakern.errors import (
     UnknownBackendError,
     UnsupportedDTypeError,
 )
-from portakern.host import host_operands, native_byte_order
+from portakern.host import native_byte_order
 from portakern.spec import KernelSpec, Problem
 
 from .base import Availability, Backend, DeviceInfo
@@ -272,12 +272,6 @@ class JaxBackend(Backend):
     # --- arrays ---------------------------------------------------------------------------
     def is_native(self, x: object) -> bool:
         return jax is not None and (isinstance(x, jax.Array) or _is_tracer(x))
-
-    def run(self, spec: KernelSpec, prob: Problem, arrays: Mapping[str, Any],
-            config: Mapping[str, int] | None = None, out: Any = None) -> Any:
-        """Base run, after checking every non-native operand against the shape/dtype that
-        validation saw (portakern.host) — all of them before any is uploaded."""
-        return super().run(spec, prob, host_operands(arrays, self.is_native), config, out=out)
 
     def _oom(self, what: str, nbytes: int, exc: BaseException) -> DeviceMemoryError:
         """DeviceMemoryError naming the request and, where XLA reports it, the device's memory."""

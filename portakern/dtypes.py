@@ -59,6 +59,9 @@ def dtype_name(dtype: object) -> str:
 
 def info(dtype: object) -> DTypeInfo:
     """Look up a supported floating dtype; raise DTypeError naming the supported set."""
+    got = FLOAT_DTYPES.get(dtype) if dtype.__class__ is str else None  # the hot path: by name
+    if got is not None:
+        return got
     name = dtype_name(dtype)
     try:
         return FLOAT_DTYPES[name]

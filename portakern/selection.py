@@ -27,19 +27,26 @@ _instances: dict[tuple[str, str | None], Backend] = {}
 _lock = threading.Lock()
 
 
+def _shown(value: object, limit: int = 60) -> str:
+    """repr of a user's selector for an error message, cut to ``limit`` characters (a
+    selector can come from anywhere, e.g. a pasted environment variable)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def parse(text: str, origin: str = "backend") -> tuple[str, str | None]:
     if not isinstance(text, str):
         raise UnknownBackendError(f"{origin} must be a string like 'opencl' or 'opencl:0'; got "
-                                  f"{type(text).__name__} {text!r}.")
+                                  f"{type(text).__name__} {_shown(text)}.")
     m = _SELECTOR.match(text.strip())
     if not m:
         raise UnknownBackendError(
-            f"{origin} {text!r} is malformed; expected NAME or NAME:DEVICE, e.g. 'opencl', "
+            f"{origin} {_shown(text)} is malformed; expected NAME or NAME:DEVICE, e.g. 'opencl', "
             f"'opencl:1', 'jax:cpu'. Registered backends: {', '.join(registry.names())}.")
     name, dev = m.group(1), m.group(2)
     if name not in registry.names():
-        raise UnknownBackendError(f"{origin} {text!r} names no registered backend; expected one "
-                                  f"of {', '.join(registry.names())}.")
+        raise UnknownBackendError(f"{origin} {_shown(text)} names no registered backend; "
+                                  f"expected one of {', '.join(registry.names())}.")
     return name, dev
 
 
@@ -150,7 +157,8 @@ def explain(backend: str | None = None) -> str:
 @contextlib.contextmanager
 def use(backend: str | Backend) -> Iterator[Backend]:
     """Select a backend for the calls in this block (this thread / task only)."""
-    inst = resolve(backend)  # fail now, at the with-statement, if it cannot run
+    # fail now, at the with-statement, if it cannot run; errors name portakern.use(...)
+    inst = backend if isinstance(backend, Backend) else get(backend, "portakern.use(...)")
     token = _current.set(inst)
     try:
         yield inst

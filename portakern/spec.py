@@ -11,6 +11,7 @@ is touched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -92,6 +93,12 @@ class Launch:
     groups: tuple[int, int, int]
     local: tuple[int, int, int]
     args: tuple[Buf | Scalar, ...]
+
+    @functools.cached_property
+    def global_size(self) -> tuple[int, int, int]:
+        """Work-items per dimension (groups x local): computed once, not on every enqueue."""
+        g, lo = self.groups, self.local
+        return (g[0] * lo[0], g[1] * lo[1], g[2] * lo[2])
 
 
 @dataclass(frozen=True)

@@ -277,23 +277,6 @@ BAD: dict[str, Bad] = {
 }
 
 
-# Backends that check non-native operands against their claimed shape/dtype before upload
-# (portakern/host.py, called from their run/as_input). Any other backend (cuda, plugins) gets
-# the cases below as non-strict xfails until backends/base.py calls host_operands in
-# Backend.run — then this set and the marker go.
-HOST_CHECKED = {"numpy", "opencl", "jax"}
-HOST_DATA_CASES = {"softmax x stand-in without data", "attention mask stand-in without data",
-                   "matmul a data differs from its shape", "softmax x masked array"}
-
-
-def mark_unchecked(request: pytest.FixtureRequest, be: Backend) -> None:
-    if be.name not in HOST_CHECKED:
-        request.node.add_marker(pytest.mark.xfail(
-            reason=f"{be.name} does not route non-native operands through portakern.host "
-                   "(fix: call host_operands at the top of Backend.run in backends/base.py)",
-            strict=False))
-
-
 def _run_bad(name: str, be: Backend) -> BaseException:
     bad = BAD[name]
     made = bad.make(be) if bad.make is not None else {}
@@ -303,12 +286,11 @@ def _run_bad(name: str, be: Backend) -> BaseException:
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
-def test_bad_input_is_refused_before_any_device_work(target: str, name: str,
-                                                     request: pytest.FixtureRequest) -> None:
+def test_bad_input_is_refused_before_any_device_work(target: str, name: str) -> None:
+    """Every backend, cuda and plugins included: Backend.run checks non-native operands
+    against their claimed shape/dtype (portakern.host) before anything is uploaded."""
     bad = BAD[name]
     be = selection.get(target)
-    if name in HOST_DATA_CASES:
-        mark_unchecked(request, be)
     if bad.kernel_only and not isinstance(be, KernelBackend):
         pytest.skip(f"{target} has no out= (not a C-kernel backend)")
     if name == "softmax longdouble" and np.dtype(np.longdouble).itemsize == 8:
@@ -394,9 +376,16 @@ def test_unknown_device_of_every_backend_is_refused(name: str, device: str) -> N
 
 def test_use_with_a_bad_backend_fails_at_the_with_statement() -> None:
     before = selection._current.get()
-    with pytest.raises(pk.UnknownBackendError), pk.use("bogus"):
+    with pytest.raises(pk.UnknownBackendError, match=r"portakern\.use\(\.\.\.\) 'bogus'"), \
+            pk.use("bogus"):
         pytest.fail("the block must not run")
     assert selection._current.get() is before
+
+
+def test_a_long_bad_selector_is_cut_in_the_message() -> None:
+    with pytest.raises(pk.UnknownBackendError) as info:
+        pk.softmax(np.ones(3, f32), backend="x" * 5000)
+    assert len(str(info.value)) < 300 and "5002 characters" in str(info.value)
 
 
 # --- layouts: numpy views compute correctly everywhere ------------------------------------
@@ -432,10 +421,7 @@ VIEWS = _views()
 
 
 @pytest.mark.parametrize("kind", sorted(VIEWS))
-def test_numpy_views_give_the_oracle_answer(target: str, kind: str,
-                                            request: pytest.FixtureRequest) -> None:
-    if kind == "big-endian":
-        mark_unchecked(request, selection.get(target))
+def test_numpy_views_give_the_oracle_answer(target: str, kind: str) -> None:
     v = VIEWS[kind]()
     snapshot = {k: np.array(x, copy=True) for k, x in v.items()}
     b = np.random.default_rng(1).standard_normal((5, 4)).astype(f32)
@@ -556,3 +542,36 @@ def test_docs_list_every_case() -> None:
     assert not missing, f"docs/guarantees.md lacks these case ids: {missing}"
     assert f"{len(set(all_case_ids()))} distinct bad inputs" in text, \
         f"docs/guarantees.md must state the count: {len(set(all_case_ids()))} distinct bad inputs"
+
+
+class _BareBackend(Backend):
+    """A plugin-style backend that implements only the protocol's array hooks and trusts
+    whatever reaches them: the host-operand checks must come from Backend.run itself."""
+
+    name = "bare"
+
+    def _open(self, selector: str | None) -> Any:
+        from portakern.backends.base import DeviceInfo
+
+        return DeviceInfo(0, "bare", "cpu")
+
+    def is_native(self, x: object) -> bool:
+        return False
+
+    def to_native(self, x: np.ndarray) -> Any:
+        self.uploaded.append(x)
+        return x
+
+    def execute(self, spec: Any, prob: Any, ins: dict[str, Any], config: Any) -> Any:
+        raise AssertionError("a refused operand reached execute")
+
+
+@pytest.mark.parametrize("name", sorted({"softmax x stand-in without data",
+                                         "matmul a data differs from its shape",
+                                         "softmax x masked array"}))
+def test_backend_base_checks_host_operands_for_every_backend(name: str) -> None:
+    be = _BareBackend()
+    be.uploaded = []  # type: ignore[attr-defined]
+    with pytest.raises(pk.NotAnArrayError):
+        BAD[name].call(be)
+    assert be.uploaded == []  # type: ignore[attr-defined]

@@ -36,6 +36,12 @@ MUTANTS = {
         "            ls[lid] = ss;\n        }", {"WG": 64}, "float32"),
     "softmax: max not subtracted in the output": (
         "softmax", "exp(x - rm) * inv", "exp(x) * inv", {}, "float32"),
+    "softmax: vector exp without the low part of ln2": (
+        "softmax", "    r = fma(n, (pk_fv)(2.12194440e-4f), r);\n", "", {"VEC": 16, "WG": 1},
+        "float32"),
+    "softmax: vector path skips the block rescale": (
+        "softmax", "vt acc = sv * PK_VEXP(mv - bm);", "vt acc = sv;", {"VEC": 16, "WG": 1},
+        "float32"),
     "attention: causal off by one": (
         "attention", "(!causal || kj <= qi)", "(!causal || kj < qi)", {}, "float32"),
     "attention: no rescale of the accumulator (scalar path)": (

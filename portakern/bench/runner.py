@@ -38,6 +38,7 @@ from ..errors import PortakernError
 from ..ops import get_op
 from . import environment, metrics
 from .dispatch import DispatchConfig, measure_dispatch
+from .interrupt import LATCH
 from .peers import PEER_NAMES, Peers, jax_device_for, peer_name
 from .probes import Roofline, combine, probe_jax, probe_kernel_backend
 from .report import fmt_time
@@ -380,6 +381,7 @@ def run_case(be: Backend, case: Case, host: Mapping[str, np.ndarray | None], pee
             m = not_run("error", f"{type(exc).__name__}: {str(exc)[:800]}")
         progress.done(m)
         rec["ours"] = m.as_dict()
+        LATCH.check()
         if case.op == "attention":
             rec["memory"] = attention_memory(be, case)
             if cfg.unfused and m.ok:
@@ -393,6 +395,7 @@ def run_case(be: Backend, case: Case, host: Mapping[str, np.ndarray | None], pee
                 progress.done(mu)
                 rec["unfused"] = mu.as_dict()
                 gc.collect()
+                LATCH.check()
         if m.ok:
             for key in peers.keys(case.op, be):
                 name = peer_name(key, case.op)
@@ -405,6 +408,7 @@ def run_case(be: Backend, case: Case, host: Mapping[str, np.ndarray | None], pee
                     d["name"] = f"numpy/{mp.info['blas']}"
                 rec["peers"][key] = d
                 gc.collect()
+                LATCH.check()
     except KeyboardInterrupt as exc:
         part = getattr(exc, "partial", None)
         if "ours" not in rec:
@@ -460,7 +464,16 @@ def write_json(result: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
-    """Run the benchmark described by ``cfg``; write and return the result record."""
+    """Run the benchmark described by ``cfg``; write and return the result record.
+
+    Ctrl-C stops it at once and the record measured so far is written; an interrupt swallowed
+    by a gc callback or ``__del__`` is caught by the latch (bench/interrupt.py) at the next
+    measurement boundary."""
+    with LATCH.installed():
+        return _run_bench(cfg)
+
+
+def _run_bench(cfg: BenchConfig) -> dict[str, Any]:
     progress = Progress(cfg.progress)
     t_start = time.perf_counter()
     prev_tf32 = os.environ.get("CUPY_TF32")
@@ -542,6 +555,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 write_json(result, cfg.out)  # a crash later still leaves this case on disk
             del host
             gc.collect()
+            LATCH.check()
         result["complete"] = True
     except KeyboardInterrupt:
         result["interrupted"] = True
