@@ -240,6 +240,17 @@ class Backend:
         raise NotImplementedError
 
 
+class LaunchPlan(list):
+    """[(compiled kernel, Launch, argument template)] in launch order, plus the workspace
+    buffers {name: (elements, dtype)} each call allocates (KernelSpec.workspace)."""
+
+    workspace: dict[str, tuple[int, str]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.workspace = {}
+
+
 class KernelBackend(Backend):
     """A backend that compiles the spec's C kernel in its dialect and launches it."""
 
@@ -249,7 +260,7 @@ class KernelBackend(Backend):
         super().__init__(selector)
         self._kernels: dict[tuple, Any] = {}
         self._configs: dict[tuple, dict[str, int]] = {}
-        self._plans: dict[tuple, list[tuple[Any, Launch, list[Any]]]] = {}
+        self._plans: dict[tuple, LaunchPlan] = {}
 
     def run(self, spec: KernelSpec, prob: Problem, arrays: Mapping[str, Any],
             config: Mapping[str, int] | None = None, out: Any = None) -> Any:
@@ -326,6 +337,8 @@ class KernelBackend(Backend):
             out = self.empty(prob.out_shape, prob.dtype)
         bufs = dict(ins)
         bufs["out"] = out
+        for name, (n, dt) in plan.workspace.items():  # per call: calls may run concurrently
+            bufs[name] = self.empty((n,), dt)
         buffer_arg = self.buffer_arg
         for kernel, launch, template in plan:
             args = [buffer_arg(bufs[a]) if a.__class__ is str else a for a in template]
@@ -333,7 +346,7 @@ class KernelBackend(Backend):
         return out
 
     def plan(self, spec: KernelSpec, prob: Problem, config: Mapping[str, int] | None
-             ) -> list[tuple[Any, Launch, list[Any]]]:
+             ) -> LaunchPlan:
         """Compiled kernels + launch geometry + packed scalar arguments for a problem.
 
         Cached per (spec, problem metadata, config, tuning generation) when the API hands a
@@ -351,7 +364,10 @@ class KernelBackend(Backend):
                 return got
         cfg = self.config_for(spec, prob, config)
         kernels = self.kernels_for(spec, prob, cfg)
-        plan = []
+        plan = LaunchPlan()
+        if spec.workspace is not None:
+            plan.workspace = {k: (int(n), str(dt)) for k, (n, dt)
+                              in spec.workspace(prob, cfg).items()}
         for launch in spec.launches(prob, cfg):
             wg = launch.local[0] * launch.local[1] * launch.local[2]
             if wg > self.device.max_work_group_size:

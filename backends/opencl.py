@@ -146,6 +146,11 @@ class OpenCLBackend(KernelBackend):
         self._empty_meta: dict[tuple[tuple[int, ...], str], tuple[Any, ...]] = {}
         self._fast_empty = True
         self.queue = cl.CommandQueue(self.ctx)
+        self._pool: Any = None
+        if os.environ.get("PORTAKERN_OPENCL_POOL", "1") != "0":
+            import pyopencl.tools as cl_tools
+
+            self._pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
         return info
 
     # arrays
@@ -179,7 +184,7 @@ class OpenCLBackend(KernelBackend):
         x = native_byte_order(x)  # kernels read native-order floats; '>f4' is float32 too
         self.transfers.add("h2d", x.nbytes)
         try:
-            return cla.to_device(self.queue, x)
+            return cla.to_device(self.queue, x, allocator=self._new_buffer)
         except cl.Error as exc:
             if not _is_allocation_failure(exc):
                 raise
@@ -211,7 +216,7 @@ class OpenCLBackend(KernelBackend):
             return proto
         st, strides, size, nbytes = meta
         try:
-            data = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, nbytes) if nbytes else None
+            data = self._new_buffer(nbytes) if nbytes else None
         except cl.Error as exc:
             if not _is_allocation_failure(exc):
                 raise
@@ -226,10 +231,33 @@ class OpenCLBackend(KernelBackend):
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
         return self._allocate(cla.zeros, shape, dtype)
 
+    def _new_buffer(self, nbytes: int) -> Any:
+        """Device memory for every array this backend makes: from the memory pool, like CuPy's
+        and XLA's allocators (a fresh clBuffer on a CPU device is fresh pages, and touching
+        them costs more than a memory-bound kernel on them); PORTAKERN_OPENCL_POOL=0 turns the
+        pool off. An allocation failure first frees what the pool holds, then raises."""
+        if self._pool is None:
+            return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, nbytes)
+        try:
+            return self._pool.allocate(nbytes)
+        except cl.Error as exc:
+            if not _is_allocation_failure(exc):
+                raise
+            self._pool.free_held()
+            return self._pool.allocate(nbytes)
+
+    def free_pooled_memory(self) -> int:
+        """Return the pool's unused blocks to the driver; the bytes it held are returned."""
+        if self._pool is None:
+            return 0
+        held = int(self._pool.managed_bytes) - int(self._pool.active_bytes)
+        self._pool.free_held()
+        return held
+
     def _allocate(self, fn: Any, shape: tuple[int, ...], dtype: str) -> Any:
         st = dtypes.info(dtype).storage
         try:
-            return fn(self.queue, shape, st)
+            return fn(self.queue, shape, st, allocator=self._new_buffer)
         except cl.Error as exc:
             if not (_is_allocation_failure(exc) or isinstance(exc, cl.RuntimeError)):
                 raise

@@ -170,6 +170,10 @@ class KernelSpec:
     schedules: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # 'cpu' / 'gpu'
     config_check: Callable[[Problem | None, Mapping[str, int]], str | None] | None = None
     pallas: Any = None  # optional: builds a Pallas kernel (see backends/jax.py)
+    # optional: workspace(problem, cfg) -> {buffer name: (elements, dtype name)}: device
+    # scratch the launches use (e.g. a packed copy of an operand), named in Launch args as
+    # Buf(name). C-kernel backends allocate it per call; array backends never see it.
+    workspace: Callable[[Problem, Mapping[str, int]], Mapping[str, tuple[int, str]]] | None = None
     doc: str = ""
     # --- optional, for user-defined ops (docs/add-a-kernel.md); checked by register_op ------
     # example(dtype) -> ({operand: array or ArrayMeta(shape, dtype)}, {param: value}): a typical

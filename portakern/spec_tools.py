@@ -420,13 +420,36 @@ def _check_problem(spec: KernelSpec, prob: Problem, kernels: list[str]) -> None:
         if not isinstance(launches, (list, tuple)) or (not launches and not prob.empty_result):
             raise spec_error(n, "launches", f"returned {launches!r}; expected a non-empty list "
                              "of Launch", _FIXES["launches"])
+        buffers = operand_names | _check_workspace(spec, prob, cfg, operand_names)
         for la in launches:
-            _check_launch(spec, la, kernels, operand_names)
+            _check_launch(spec, la, kernels, buffers)
     c = _call(spec, "cost", spec.cost, prob)
     if not isinstance(c, Cost) or not all(math.isfinite(v) and v >= 0
                                           for v in (c.flops, c.bytes)):
         raise spec_error(n, "cost", f"returned {c!r}; expected Cost(flops >= 0, bytes >= 0)",
                          _FIXES["cost"])
+
+
+def _check_workspace(spec: KernelSpec, prob: Problem, cfg: Mapping[str, int],
+                     operand_names: set[str]) -> set[str]:
+    """Names of the spec's workspace buffers for this problem, after checking them."""
+    if spec.workspace is None:
+        return set()
+    n = spec.name
+    ws = _call(spec, "workspace", spec.workspace, prob, cfg)
+    fix = ("return {name: (elements, dtype name)}, e.g. {'packed': (K * N, p.dtype)}, with "
+           "names that are neither operands nor 'out'")
+    if not isinstance(ws, Mapping):
+        raise spec_error(n, "workspace", f"returned {type(ws).__name__}; expected a dict", fix)
+    for name, val in ws.items():
+        ok = (isinstance(name, str) and name.isidentifier() and name not in operand_names
+              and isinstance(val, tuple) and len(val) == 2
+              and isinstance(val[0], (int, np.integer)) and val[0] >= 0
+              and val[1] in dtypes.FLOAT_DTYPES)
+        if not ok:
+            raise spec_error(n, "workspace", f"entry {name!r}: {val!r} is not a valid buffer",
+                             fix)
+    return set(ws)
 
 
 def _check_launch(spec: KernelSpec, la: Any, kernels: list[str], names: set[str]) -> None:
@@ -446,8 +469,9 @@ def _check_launch(spec: KernelSpec, la: Any, kernels: list[str], names: set[str]
         if isinstance(a, Buf):
             if a.name not in names:
                 raise spec_error(n, "launches", f"Launch({la.kernel!r}) passes Buf({a.name!r}), "
-                                 f"which is not an operand or 'out' ({sorted(names)})",
-                                 "pass Buf(operand) or Buf('out')")
+                                 f"which is not an operand, 'out' or a workspace buffer "
+                                 f"({sorted(names)})",
+                                 "pass Buf(operand), Buf('out') or a name from workspace()")
         elif isinstance(a, Scalar):
             if a.ctype not in ("int", "acc"):
                 raise spec_error(n, "launches", f"Scalar({a.value!r}, {a.ctype!r}) has an unknown"

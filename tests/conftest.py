@@ -2,6 +2,9 @@
 summary line naming each backend that was NOT tested and why.
 
 PORTAKERN_TEST_BACKENDS=cuda,opencl restricts the targets (the GPU script uses it).
+PORTAKERN_TEST_TARGET_TESTS_ONLY=1 also drops the tests that do not depend on the targets
+(parametrized over none, not marked per_target, not about jax): scripts/test.sh runs the
+jax targets in a second process that way, so nothing target-independent runs twice.
 """
 
 from __future__ import annotations
@@ -81,6 +84,24 @@ def _bounded_jax_executables() -> object:
     if n is not None and n > MAP_COUNT_LIMIT * MAX_MAPS:
         jax.clear_caches()
         JAX_CACHE_CLEARS.append(n)
+
+
+TARGET_FIXTURES = ("target", "device_target", "kernel_target", "jtarget")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PORTAKERN_TEST_TARGET_TESTS_ONLY") != "1":
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        wanted = (any(k in params for k in TARGET_FIXTURES)
+                  or item.get_closest_marker("per_target") is not None
+                  or "jax" in item.nodeid)
+        (keep if wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -112,12 +112,16 @@ def test_broken_source_raises_compile_error_with_numbered_source_and_log() -> No
     lines = [ln for ln in _softmax_source().splitlines()
              if not ln.startswith("#define PK_BARRIER()")]  # drop one dialect macro
     broken = "\n".join(lines) + "\n"
-    use = next(i for i, ln in enumerate(lines, 1) if "PK_BARRIER();" in ln)
+    uses = {i for i, ln in enumerate(lines, 1) if "PK_BARRIER();" in ln}
     with pytest.raises(CompileError) as got:
         compile_check.compile_source(broken, "80")
     err = got.value
     msg = str(err)
-    assert "PK_BARRIER" in err.log and f"({use})" in err.log  # NVRTC's log names the line
+    # NVRTC's log names a line that uses the macro (the first one compiled: some uses sit
+    # in preprocessor branches this schedule leaves out)
+    named = {int(n) for n in re.findall(r"portakern\.cu\((\d+)\)", err.log)}
+    assert "PK_BARRIER" in err.log and named & uses, (err.log, sorted(uses))
+    use = min(named & uses)
     assert "--- compiler log ---" in msg and "--- rendered source ---" in msg
     assert re.search(rf"^\s*{use} \|\s+PK_BARRIER\(\);", msg, re.M), "numbered source missing"
     assert "--gpu-architecture=compute_80" in msg and "--fmad=true" in msg

@@ -31,17 +31,30 @@ MUTANTS = {
     "matmul: vector path skips the last k": (
         "matmul", "for (int k = 0; k < K; ++k) {\n            vacc_t b[TN];",
         "for (int k = 0; k + 1 < K; ++k) {\n            vacc_t b[TN];", {"VEC": 16}, "float32"),
+    # the one-read online path (STORE_EXP=0: GPU schedule, fp16/bf16 storage)
     "softmax: missing barrier in the reduction": (
         "softmax", "            ls[lid] = ss;\n        }\n        PK_BARRIER();",
-        "            ls[lid] = ss;\n        }", {"WG": 64}, "float32"),
+        "            ls[lid] = ss;\n        }", {"WG": 64, "STORE_EXP": 0}, "float32"),
     "softmax: max not subtracted in the output": (
-        "softmax", "exp(x - rm) * inv", "exp(x) * inv", {}, "float32"),
+        "softmax", "exp(x - rm) * inv", "exp(x) * inv", {"STORE_EXP": 0}, "float32"),
     "softmax: vector exp without the low part of ln2": (
-        "softmax", "    r = fma(n, (pk_fv)(2.12194440e-4f), r);\n", "", {"VEC": 16, "WG": 1},
-        "float32"),
+        "softmax", "    r = fma(n, (pk_fv)(2.12194440e-4f), r);\n", "",
+        {"VEC": 16, "WG": 1, "STORE_EXP": 0}, "float32"),
     "softmax: vector path skips the block rescale": (
-        "softmax", "vt acc = sv * PK_VEXP(mv - bm);", "vt acc = sv;", {"VEC": 16, "WG": 1},
-        "float32"),
+        "softmax", "vt acc = sv * PK_VEXP(mv - bm);", "vt acc = sv;",
+        {"VEC": 16, "WG": 1, "STORE_EXP": 0}, "float32"),
+    # the exp-once path (STORE_EXP=1: CPU schedule, fp32/fp64 storage)
+    "softmax exp-once: missing barrier in the sum tree": (
+        "softmax",
+        "            if (lid < step) ls[lid] += ls[lid + step];\n            PK_BARRIER();",
+        "            if (lid < step) ls[lid] += ls[lid + step];",
+        {"WG": 64, "VEC": 1, "STORE_EXP": 1}, "float32"),
+    "softmax exp-once: scale pass skipped (vector path)": (
+        "softmax", "PK_CAT(vload, VEC)(bi, yr) * (svt)(scale)", "PK_CAT(vload, VEC)(bi, yr)",
+        {"VEC": 16, "WG": 1, "STORE_EXP": 1}, "float32"),
+    "softmax exp-once: vector exp without the low part of ln2": (
+        "softmax", "    r = fma(n, (pk_fv)(2.12194440e-4f), r);\n", "",
+        {"VEC": 16, "WG": 1, "STORE_EXP": 1}, "float32"),
     "attention: causal off by one": (
         "attention", "(!causal || kj <= qi)", "(!causal || kj < qi)", {}, "float32"),
     "attention: no rescale of the accumulator (scalar path)": (

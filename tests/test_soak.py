@@ -206,6 +206,7 @@ def _call(t: Target, cfg: Config, case: Case, native: bool, use_out: bool) -> An
 
 
 @pytest.mark.slow
+@pytest.mark.per_target
 def test_soak() -> None:
     rng = np.random.default_rng(SEED)
     targets: list[Target] = []

@@ -106,6 +106,9 @@ def _raw_launcher(be: Backend, plan: Sequence[tuple[Any, Any, list[Any]]],
                   bufs: Mapping[str, Any]) -> tuple[Callable[[], None], str] | None:
     """(fn, what) enqueueing the plan's compiled kernels through the device API itself;
     None when ``be`` has no raw API this module knows."""
+    bufs = dict(bufs)
+    for name, (n, dt) in getattr(plan, "workspace", {}).items():  # made once, like the args
+        bufs[name] = be.empty((n,), dt)  # type: ignore[attr-defined]
     items = []
     for kernel, launch, template in plan:
         args = [be.buffer_arg(bufs[a]) if isinstance(a, str) else a for a in template]

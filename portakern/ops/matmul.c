@@ -16,8 +16,38 @@
 #define BM (LY * TM)
 #define BN (LX * NCOL)
 
+#if PACK_B
+/* PACK_B=1 (CPU schedule): B is first copied into column panels of BN columns, Bp[z][panel]
+ * [k][c], zero-padded past N. The product then reads each item's B columns as one contiguous
+ * stream: without it, B's rows sit N floats apart, and for N a multiple of 1024 every row of a
+ * panel falls into the same few cache sets, so the panel streams from L3 for every row block.
+ * One item copies PACK_KB rows of one panel (few, large work-groups: cheap on a CPU). */
+#define PACK_KB 64
+PK_KERNEL void matmul_pack_b(PK_GLOBAL const PK_T_T* PK_RESTRICT B,
+                             PK_GLOBAL PK_T_T* PK_RESTRICT Bp,
+                             int N, int K, int nb1, int sb0, int sb1, int b_off)
+{
+    const int panel = PK_GROUP_ID(0);
+    const int k0 = PK_GROUP_ID(1) * PACK_KB;
+    const int z = PK_GROUP_ID(2);
+    const int z0 = z / nb1;
+    const int z1 = z - z0 * nb1;
+    const int bo = b_off + z0 * sb0 + z1 * sb1;
+    const int c0 = panel * BN;
+    const int dst = (z * PK_NUM_GROUPS(0) + panel) * K * BN;
+    const int kend = min(k0 + PACK_KB, K);
+    for (int k = k0; k < kend; ++k)
+        for (int c = 0; c < BN; ++c)
+            PK_STORE_T(Bp, dst + k * BN + c,
+                       (c0 + c < N) ? PK_LOAD_T(B, bo + k * N + c0 + c) : (PK_ACC_T)0);
+}
+#endif
+
 PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
                       PK_GLOBAL const PK_T_T* PK_RESTRICT B,
+#if PACK_B
+                      PK_GLOBAL const PK_T_T* PK_RESTRICT Bp,
+#endif
                       PK_GLOBAL PK_T_T* PK_RESTRICT C,
                       int M, int N, int K, int nb1,
                       int sa0, int sa1, int sb0, int sb1, int sc0, int sc1,
@@ -73,23 +103,44 @@ PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
     const int c0 = col0 + tx * NCOL;
     int arow[TM];
     for (int i = 0; i < TM; ++i) arow[i] = ao + min(row0 + ty + i * LY, M - 1) * K;
+#if PACK_B
+    /* packed panels are zero-padded: every item takes the vector path; stores are masked */
+    {
+        const PK_GLOBAL PK_T_T* bp = Bp + (z * PK_NUM_GROUPS(0) + PK_GROUP_ID(0)) * K * BN
+                                     + tx * NCOL;
+        const int ldb = BN;
+#else
     if (c0 + NCOL <= N) {
+        const PK_GLOBAL PK_T_T* bp = B + bo + c0;
+        const int ldb = N;
+#endif
         vacc_t vacc[TM][TN];
         for (int i = 0; i < TM; ++i)
             for (int j = 0; j < TN; ++j) vacc[i][j] = (vacc_t)(0);
-        const PK_GLOBAL PK_T_T* bp = B + bo + c0;
         for (int k = 0; k < K; ++k) {
             vacc_t b[TN];
-            for (int j = 0; j < TN; ++j) b[j] = PK_CAT(vload, VEC)(j, bp + k * N);
+            for (int j = 0; j < TN; ++j) b[j] = PK_CAT(vload, VEC)(j, bp + k * ldb);
             for (int i = 0; i < TM; ++i) {
                 const PK_ACC_T a = A[arow[i] + k];
                 for (int j = 0; j < TN; ++j) vacc[i][j] = fma((vacc_t)(a), b[j], vacc[i][j]);
             }
         }
-        for (int i = 0; i < TM; ++i) {
-            const int r = row0 + ty + i * LY;
-            if (r < M)
-                for (int j = 0; j < TN; ++j) PK_CAT(vstore, VEC)(vacc[i][j], 0, C + co + r * N + c0 + j * VEC);
+        if (c0 + NCOL <= N) {
+            for (int i = 0; i < TM; ++i) {
+                const int r = row0 + ty + i * LY;
+                if (r < M)
+                    for (int j = 0; j < TN; ++j) PK_CAT(vstore, VEC)(vacc[i][j], 0, C + co + r * N + c0 + j * VEC);
+            }
+        } else {
+            for (int i = 0; i < TM; ++i) {
+                const int r = row0 + ty + i * LY;
+                if (r >= M) continue;
+                for (int j = 0; j < TN; ++j) {
+                    const PK_ACC_T* lane = (const PK_ACC_T*)&vacc[i][j];
+                    for (int l = 0; l < VEC; ++l)
+                        if (c0 + j * VEC + l < N) C[co + r * N + c0 + j * VEC + l] = lane[l];
+                }
+            }
         }
         return;
     }
@@ -114,10 +165,19 @@ PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
     int arow[TM];
     int bcol[NCOL];
     for (int i = 0; i < TM; ++i) arow[i] = ao + min(row0 + ty + i * LY, M - 1) * K;
+#if PACK_B
+    const PK_GLOBAL PK_T_T* bsrc = Bp;
+    const int ldb = BN;
+    const int pbase = (z * PK_NUM_GROUPS(0) + PK_GROUP_ID(0)) * K * BN;
+    for (int j = 0; j < NCOL; ++j) bcol[j] = pbase + tx + j * LX;  /* zero-padded panel */
+#else
+    const PK_GLOBAL PK_T_T* bsrc = B;
+    const int ldb = N;
     for (int j = 0; j < NCOL; ++j) bcol[j] = bo + min(col0 + tx + j * LX, N - 1);
+#endif
     for (int k = 0; k < K; ++k) {
         PK_ACC_T b[NCOL];
-        for (int j = 0; j < NCOL; ++j) b[j] = PK_LOAD_T(B, bcol[j] + k * N);
+        for (int j = 0; j < NCOL; ++j) b[j] = PK_LOAD_T(bsrc, bcol[j] + k * ldb);
         for (int i = 0; i < TM; ++i) {
             const PK_ACC_T a = PK_LOAD_T(A, arow[i] + k);
             for (int j = 0; j < NCOL; ++j) acc[i][j] += a * b[j];

@@ -16,7 +16,18 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShapeError
-from ..spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
+from ..spec import (
+    MAX_INDEX,
+    ArrayMeta,
+    Buf,
+    Cost,
+    KernelSpec,
+    Launch,
+    Operand,
+    Problem,
+    Scalar,
+    Tunable,
+)
 from ._common import (
     MAX_GRID_YZ,
     batch_chunks,
@@ -59,8 +70,38 @@ def slots(p: Problem) -> dict[str, Any]:
     return {"T": p.dtype}
 
 
+PACK_KB = 64  # rows of B one packing item copies (matmul.c)
+
+
+def packs_b(p: Problem, cfg: Mapping[str, int]) -> bool:
+    """Whether B is copied into column panels first (PACK_B, see matmul.c): asked for, on the
+    direct (USE_LOCAL=0) path, and the packed copy indexable with 32-bit ints."""
+    if not cfg.get("PACK_B") or cfg["USE_LOCAL"]:
+        return False
+    return _packed_elements(p, cfg) <= MAX_INDEX
+
+
+def _packed_elements(p: Problem, cfg: Mapping[str, int]) -> int:
+    bn = cfg["LX"] * cfg["TN"] * cfg["VEC"]
+    N, K = p.derived["N"], p.derived["K"]
+    return max(n0 * n1 for _, n0, n1, _, _ in _chunks(p)) * cdiv(N, bn) * bn * K
+
+
+def _chunks(p: Problem) -> list[tuple[list[int], int, int, list[int], list[int]]]:
+    M, N, K, batch = (p.derived[k] for k in ("M", "N", "K", "batch"))
+    sa = broadcast_strides(p.shapes["a"][:-2], batch, M * K)  # type: ignore[index]
+    sb = broadcast_strides(p.shapes["b"][:-2], batch, K * N)  # type: ignore[index]
+    sc = broadcast_strides(batch, batch, M * N)
+    dims, strides = collapse_dims(list(batch), [sa, sb, sc])
+    return batch_chunks(dims, strides)
+
+
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
-    return dict(cfg)
+    return {**cfg, "PACK_B": int(packs_b(p, cfg))}
+
+
+def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
+    return {"bp": (_packed_elements(p, cfg), p.dtype)} if packs_b(p, cfg) else {}
 
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
@@ -70,15 +111,19 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     if gy > MAX_GRID_YZ:
         raise ShapeError(f"matmul: M={M} needs {gy} row tiles of {bm}, more than {MAX_GRID_YZ} "
                          "work-groups along y; split a along M.")
-    sa = broadcast_strides(p.shapes["a"][:-2], batch, M * K)  # type: ignore[index]
-    sb = broadcast_strides(p.shapes["b"][:-2], batch, K * N)  # type: ignore[index]
-    sc = broadcast_strides(batch, batch, M * N)
-    dims, (sa, sb, sc) = collapse_dims(list(batch), [sa, sb, sc])
+    pack = packs_b(p, cfg)
     out = []
-    for off, n0, n1, s0, s1 in batch_chunks(dims, [sa, sb, sc]):
-        args = (Buf("a"), Buf("b"), Buf("out"), Scalar(M), Scalar(N), Scalar(K), Scalar(n1),
-                Scalar(s0[0]), Scalar(s1[0]), Scalar(s0[1]), Scalar(s1[1]),
-                Scalar(s0[2]), Scalar(s1[2]), Scalar(off[0]), Scalar(off[1]), Scalar(off[2]))
+    for off, n0, n1, s0, s1 in _chunks(p):
+        if pack:  # in-order queue: chunk i's panels are packed, used, then overwritten
+            out.append(Launch("matmul_pack_b", (cdiv(N, bn), cdiv(K, PACK_KB), n0 * n1),
+                              (1, 1, 1), (Buf("b"), Buf("bp"), Scalar(N), Scalar(K),
+                                          Scalar(n1), Scalar(s0[1]), Scalar(s1[1]),
+                                          Scalar(off[1]))))
+        bufs = (Buf("a"), Buf("b"), Buf("bp")) if pack else (Buf("a"), Buf("b"))
+        args = bufs + (Buf("out"), Scalar(M), Scalar(N), Scalar(K), Scalar(n1),
+                       Scalar(s0[0]), Scalar(s1[0]), Scalar(s0[1]), Scalar(s1[1]),
+                       Scalar(s0[2]), Scalar(s1[2]), Scalar(off[0]), Scalar(off[1]),
+                       Scalar(off[2]))
         out.append(Launch("matmul", (cdiv(N, bn), gy, n0 * n1), (cfg["LX"], cfg["LY"], 1), args))
     return out
 
@@ -118,6 +163,7 @@ TUNABLES = (
     Tunable("TK", (1, 4, 8, 16, 32), "depth of the local-memory K slice (USE_LOCAL=1)"),
     Tunable("USE_LOCAL", (0, 1), "stage tiles through local/shared memory"),
     Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes per column group (CPU schedule)"),
+    Tunable("PACK_B", (0, 1), "copy B into column panels first (USE_LOCAL=0; ignored with 1)"),
 )
 
 SPEC = KernelSpec(
@@ -134,9 +180,12 @@ SPEC = KernelSpec(
     tolerance=tolerance,
     tunables=TUNABLES,
     schedules={
-        "gpu": {"TM": 4, "TN": 4, "LX": 16, "LY": 16, "TK": 16, "USE_LOCAL": 1, "VEC": 1},
-        "cpu": {"TM": 8, "TN": 2, "LX": 1, "LY": 2, "TK": 16, "USE_LOCAL": 0, "VEC": 16},
+        "gpu": {"TM": 4, "TN": 4, "LX": 16, "LY": 16, "TK": 16, "USE_LOCAL": 1, "VEC": 1,
+                "PACK_B": 0},
+        "cpu": {"TM": 8, "TN": 2, "LX": 1, "LY": 2, "TK": 16, "USE_LOCAL": 0, "VEC": 16,
+                "PACK_B": 1},
     },
     config_check=config_check,
+    workspace=workspace,
     doc="Batched matrix product with float32 (float64 for float64) accumulation.",
 )

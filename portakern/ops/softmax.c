@@ -53,6 +53,91 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
     const int o = row / inner;
     const int base = o * n * inner + (row - o * inner);
 
+    PK_LOCAL PK_ACC_T lm[WG];
+    PK_LOCAL PK_ACC_T ls[WG];
+
+#if STORE_EXP && PK_PLAIN_T
+    /* STORE_EXP=1 (CPU schedule, fp32/fp64 storage): exp once per element. Pass 1 finds the
+     * row max (no exp), pass 2 writes e = exp(x - max) into Y and sums it, pass 3 scales Y in
+     * place; a row is small enough to stay in cache between passes. The one-read online path
+     * below computes exp twice per element, which a CPU pays for in exp, not in memory. fp16/
+     * bf16 storage keeps that path: storing e rounded and scaling it would round twice. */
+    {
+        PK_ACC_T mx = -PK_INFINITY;
+        int j1 = lid;
+#if VEC > 1 && PK_HAS_VECTOR
+        typedef PK_CAT(PK_ACC_T, VEC) svt;
+        const int nv = (inner == 1) ? n / VEC : 0;
+        const PK_GLOBAL PK_T_T* xr = X + base;
+        PK_GLOBAL PK_T_T* yr = Y + base;
+        if (nv > 0) {
+            /* fmax drops NaN here; a NaN still turns the whole row NaN in pass 2, where
+             * exp(NaN - max) enters the sum */
+            svt mv = (svt)(-PK_INFINITY);
+            for (int bi = lid; bi < nv; bi += WG) mv = fmax(mv, PK_CAT(vload, VEC)(bi, xr));
+            const PK_ACC_T* ml = (const PK_ACC_T*)&mv;
+            for (int l = 0; l < VEC; ++l) mx = fmax(mx, ml[l]);
+            j1 = nv * VEC + lid;
+        }
+#endif
+        for (int j = j1; j < n; j += WG) {  /* a NaN, once in mx, stays */
+            const PK_ACC_T x = PK_LOAD_T(X, base + j * inner);
+            if (x > mx || x != x) mx = x;
+        }
+        lm[lid] = mx;
+        PK_BARRIER();
+        for (int step = WG / 2; step > 0; step >>= 1) {
+            if (lid < step) {
+                const PK_ACC_T other = lm[lid + step];
+                if (other > lm[lid] || other != other) lm[lid] = other;
+            }
+            PK_BARRIER();
+        }
+        const PK_ACC_T rmax = lm[0];
+        const int all_inf = (rmax == -PK_INFINITY);  /* no value: the row is 0 */
+        PK_ACC_T sum = (PK_ACC_T)0;
+        if (!all_inf) {
+#if VEC > 1 && PK_HAS_VECTOR
+            if (nv > 0) {
+                svt sv = (svt)(0);
+                for (int bi = lid; bi < nv; bi += WG) {
+                    const svt e = PK_VEXP(PK_CAT(vload, VEC)(bi, xr) - (svt)(rmax));
+                    PK_CAT(vstore, VEC)(e, bi, yr);
+                    sv += e;
+                }
+                const PK_ACC_T* sl = (const PK_ACC_T*)&sv;
+                for (int l = 0; l < VEC; ++l) sum += sl[l];
+            }
+#endif
+            for (int j = j1; j < n; j += WG) {
+                const PK_ACC_T e = exp(PK_LOAD_T(X, base + j * inner) - rmax);
+                PK_STORE_T(Y, base + j * inner, e);
+                sum += e;
+            }
+        }
+        ls[lid] = sum;
+        PK_BARRIER();
+        for (int step = WG / 2; step > 0; step >>= 1) {
+            if (lid < step) ls[lid] += ls[lid + step];
+            PK_BARRIER();
+        }
+        const PK_ACC_T scale = all_inf ? (PK_ACC_T)0 : (PK_ACC_T)1 / ls[0];
+#if VEC > 1 && PK_HAS_VECTOR
+        if (nv > 0) {
+            for (int bi = lid; bi < nv; bi += WG) {
+                const svt y = all_inf ? (svt)(0) : PK_CAT(vload, VEC)(bi, yr) * (svt)(scale);
+                PK_CAT(vstore, VEC)(y, bi, yr);
+            }
+        }
+#endif
+        for (int j = j1; j < n; j += WG) {
+            const PK_ACC_T y = all_inf ? (PK_ACC_T)0 : PK_LOAD_T(Y, base + j * inner) * scale;
+            PK_STORE_T(Y, base + j * inner, y);
+        }
+        return;
+    }
+#endif
+
     PK_ACC_T m = -PK_INFINITY, s = (PK_ACC_T)0;
     int j_first = lid;
 #if VEC > 1 && PK_HAS_VECTOR && PK_PLAIN_T
@@ -95,8 +180,6 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
         m = mx;
     }
 
-    PK_LOCAL PK_ACC_T lm[WG];
-    PK_LOCAL PK_ACC_T ls[WG];
     lm[lid] = m;
     ls[lid] = s;
     PK_BARRIER();

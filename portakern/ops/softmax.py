@@ -111,8 +111,10 @@ SPEC = KernelSpec(
     tunables=(Tunable("WG", (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
                       "work-items per row (a power of two: tree reduction)"),
               Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes (CPU schedule, contiguous rows)"),
-              Tunable("UNROLL", (1, 2, 4, 8), "vectors per block between rescales")),
-    schedules={"gpu": {"WG": 256, "VEC": 1, "UNROLL": 1},
-               "cpu": {"WG": 1, "VEC": 16, "UNROLL": 4}},
+              Tunable("UNROLL", (1, 2, 4, 8), "vectors per block between rescales"),
+              Tunable("STORE_EXP", (0, 1), "exp once per element: max pass, exp pass into the "
+                      "output, scale pass (fp32/fp64 storage; else ignored)")),
+    schedules={"gpu": {"WG": 256, "VEC": 1, "UNROLL": 1, "STORE_EXP": 0},
+               "cpu": {"WG": 1, "VEC": 16, "UNROLL": 4, "STORE_EXP": 1}},
     doc="Numerically stable softmax along any axis, fused into one kernel.",
 )
