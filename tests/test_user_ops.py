@@ -199,6 +199,10 @@ BAD_SPECS: dict[str, tuple[dict[str, Any], str, list[str]]] = {
     "buffer names nothing": (
         {"launches": lambda p, cfg: [pk.Launch("scaled_sum", (1, 1, 1), (16, 1, 1),
                                                (pk.Buf("z"),))]}, "launches", ["Buf('z')"]),
+    "workspace named like the output": (
+        {"workspace": lambda p, cfg: {"out": (16, p.dtype)}}, "workspace", ["'out'"]),
+    "workspace of an unknown dtype": (
+        {"workspace": lambda p, cfg: {"tmp": (16, "int32")}}, "workspace", ["'tmp'"]),
 }
 
 
