@@ -34,27 +34,24 @@ def _metadata_key(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[s
                   ) -> Any:
     """What validation depends on: the spec, each operand's type/shape/dtype, the params.
 
-    None when something is not plainly hashable (then the call is validated from scratch)."""
+    None when something is plainly not a key; an unhashable parameter value is caught where
+    the key is used (``_problem``), so the hot path hashes the key once."""
     parts: list[Any] = [spec.token]
+    append = parts.append
     for x in arrays.values():
         if x is None:
-            parts.append(None)
+            append(None)
             continue
-        shape, dt = getattr(x, "shape", None), getattr(x, "dtype", None)
-        if shape is None or dt is None or isinstance(x, (list, tuple)):
-            return None
-        try:
-            parts.append((type(x), tuple(shape), dt))
-        except TypeError:  # not a sequence: let validation refuse it with its message
+        try:  # lists and scalars have no .shape; their validation gives the message
+            shape, dt = x.shape, x.dtype
+            if shape is None or dt is None:
+                return None
+            append((x.__class__, tuple(shape), dt))
+        except (AttributeError, TypeError):
             return None
     # types too: True == 1 and hash(True) == hash(1), yet axis=True must be refused
-    parts.append(tuple((k, type(v), v) for k, v in params.items()))
-    key = tuple(parts)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    append(tuple([(k, v.__class__, v) for k, v in params.items()]))
+    return tuple(parts)
 
 
 def _problem(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[str, Any]
@@ -62,7 +59,10 @@ def _problem(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[str, A
     """Validated Problem, memoised on metadata: a repeated call re-validates nothing."""
     key = _metadata_key(spec, arrays, params)
     if key is not None:
-        got = _PROBLEMS.get(key)
+        try:
+            got = _PROBLEMS.get(key)
+        except TypeError:  # an unhashable parameter value: validate from scratch
+            key = got = None
         if got is not None:
             return got
     prob = spec.problem(arrays, params)

@@ -192,10 +192,25 @@ class KernelSpec:
                        repr=False)
 
     # --- validation ---------------------------------------------------------------------
+    @functools.cached_property
+    def _operand_names(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.operands)
+
+    @functools.cached_property
+    def _no_optional_operands(self) -> bool:
+        return not any(o.optional for o in self.operands)
+
     def bind(self, args: Sequence[object], kwargs: Mapping[str, Any]
              ) -> tuple[dict[str, object], dict[str, Any]]:
         """Split a call into operand arrays (by name) and parameters (defaults filled)."""
-        names = [o.name for o in self.operands]
+        names = self._operand_names
+        if not kwargs and len(args) == len(names) and self._no_optional_operands:
+            # the hot path (every operand positional): nothing to resolve but a None operand
+            for a in args:
+                if a is None:
+                    break
+            else:
+                return dict(zip(names, args)), dict(self.params)
         arrays: dict[str, object] = {}
         if len(args) > len(names):
             raise InvalidArgumentError(

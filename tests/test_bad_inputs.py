@@ -298,6 +298,26 @@ def test_bad_input_is_refused_before_any_device_work(target: str, name: str) -> 
     check_refused(_run_bad(name, be), bad.error, bad.needles)
 
 
+@pytest.mark.parametrize("bad_out", ["numpy array", "wrong shape", "wrong dtype"])
+def test_bad_out_is_refused_on_the_planned_fast_path(device_target: str, bad_out: str) -> None:
+    """Device-resident operands whose call has run before take KernelBackend._run_planned;
+    out= must still be checked on every call there."""
+    be = selection.get(device_target)
+    if not isinstance(be, KernelBackend):
+        pytest.skip(f"{device_target} has no out= (not a C-kernel backend)")
+    a, b = be.to_native(A), be.to_native(B)
+    good = be.empty((4, 3), "float32")
+    for _ in range(2):
+        pk.call("matmul", a, b, backend=be, out=good)
+    be.synchronize()
+    out, err = {"numpy array": (np.zeros((4, 3), f32), pk.InvalidArgumentError),
+                "wrong shape": (be.empty((4, 4), "float32"), pk.ShapeError),
+                "wrong dtype": (be.empty((4, 3), "float16"), pk.DTypeError)}[bad_out]
+    with no_device_work(be), pytest.raises(err) as info:
+        pk.call("matmul", a, b, backend=be, out=out)
+    check_refused(info.value, err, ("out=",))
+
+
 @pytest.mark.parametrize("name", sorted(BAD_CALLS))
 def test_test_errors_table_never_reaches_a_device(target: str, name: str) -> None:
     """The first table (tests/test_errors.py), re-run under the guard."""
@@ -453,11 +473,16 @@ DEVICE_VIEWS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 }
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after-valid-calls"])
 @pytest.mark.parametrize("kind", sorted(DEVICE_VIEWS))
 def test_device_views_are_refused_by_name_or_computed_right(device_target: str,
-                                                            kind: str) -> None:
+                                                            kind: str, warm: bool) -> None:
     """A device view a kernel cannot index must be refused naming the argument and the fix
-    (pyopencl); a backend whose views are real arrays (jax) must compute the right answer."""
+    (pyopencl); a backend whose views are real arrays (jax) must compute the right answer.
+
+    ``after-valid-calls``: the same call with contiguous arrays of the view's shape ran first,
+    so the view arrives on the planned fast path (KernelBackend._run_planned), which must
+    check layout per call, not once per shape."""
     be = selection.get(device_target)
     where, view = DEVICE_VIEWS[kind]
     op, arg = where.split()
@@ -477,6 +502,11 @@ def test_device_views_are_refused_by_name_or_computed_right(device_target: str,
     native = {k: be.to_native(x) for k, x in host.items()}
     native[arg] = view(native[arg])
     host[arg] = view(host[arg])
+    if warm:
+        plain = {k: be.to_native(np.ascontiguousarray(x)) for k, x in host.items()}
+        for _ in range(2):
+            pk.call(op, **plain, **params, backend=be)
+        be.synchronize()
     flags = getattr(native[arg], "flags", None)
     if flags is not None and not flags.c_contiguous:  # a kernel would index it wrongly
         with no_device_work(be), pytest.raises(pk.InvalidArgumentError) as info:

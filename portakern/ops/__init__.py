@@ -110,6 +110,10 @@ def unregister_op(name: str) -> KernelSpec | None:
 
 
 def get_op(name: str) -> KernelSpec:
+    if _PLUGINS["state"] == "loaded":  # the per-call path: a plain dict read
+        got = dict.get(OPS, name)
+        if got is not None:
+            return got
     try:
         return OPS[name]
     except KeyError:
