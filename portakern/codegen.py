@@ -186,6 +186,8 @@ def render(source: str, dialect: str, *, slots: Mapping[str, object],
         parts.append(f"#define PK_STORE_{slot}(p, i, v) {sp.store}")
         # storage == compute type: plain pointer reads, so vector loads (vloadN) are valid
         parts.append(f"#define PK_PLAIN_{slot} {int(sp.storage == sp.acc)}")
+        acc_is_float = int(dtypes.info(dt).compute.name == "float32")  # float vector helpers
+        parts.append(f"#define PK_ACC_IS_FLOAT_{slot} {acc_is_float}")
     for name, value in sorted(defines.items()):
         _identifier(name, "define")
         parts.append(f"#define {name} {_define_value(name, value)}")

@@ -60,11 +60,28 @@ MUTANTS = {
     "attention: no rescale of the accumulator (scalar path)": (
         "attention", "for (int d = 0; d < DV; ++d) acc[t][d] *= corr;", "", {"BK": 4}, "float32"),
     "attention: no rescale of the accumulator (vector path)": (
-        "attention", "for (int c = 0; c < NAV; ++c) acc[t][c] *= (vt)(corr);", "", {"BK": 16},
+        "attention", "for (int c = 0; c < NAV; ++c) a[t][c] *= (vt)(corr);", "", {"BK": 16},
         "float32"),
     "attention: transposed K tile off by one key": (
-        "attention", "Kt[d][j] = (k0 + j < Sk)", "Kt[d][j] = (k0 + j + 1 < Sk)", {"BK": 16},
-        "float32"),
+        "attention", "Kt[d][j] = (k0 + j < Sk)", "Kt[d][j] = (k0 + j + 1 < Sk)",
+        {"BK": 16, "PACK_KV": 0, "BQ": 8}, "float32"),
+    "attention: staged path missing the barrier after the K/V tile loads": (
+        "attention", "#if !AT_PACKED\n        PK_BARRIER();\n#endif\n\n#if AT_VEC",
+        "#if AT_VEC", {"BK": 16, "PACK_KV": 0, "BQ": 8}, "float32"),
+    "attention: vector exp without the low part of ln2": (
+        "attention", "    r = fma(n, (pk_fv)(2.12194440e-4f), r);\n", "",
+        {"BK": 16, "VEC": 16}, "float32"),
+    "attention: vector exp drops the polynomial's cubic term": (
+        "attention", "    p = fma(p, r, (pk_fv)(1.6666665459e-1f));\n", "",
+        {"BK": 16, "VEC": 16}, "float32"),
+    "attention: packed path reads every tile's V rows from the first tile": (
+        "attention", "#define AT_VROW(j) (vph + (k0 + (j)) * DVP)",
+        "#define AT_VROW(j) (vph + (j) * DVP)",
+        {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
+    "attention: packed path reads the tile's keys one dimension late": (
+        "attention", "#define AT_KROW(d) (kth + (d) * Skp + k0)",
+        "#define AT_KROW(d) (kth + ((d) + 1) % DQ_ * Skp + k0)",
+        {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
     # rmsnorm is registered like any user op: its mutants run through its spec's own generator
     "rmsnorm: missing barrier in the reduction": (
         "rmsnorm", "            lb[lid] += lb[lid + step];\n        }\n        PK_BARRIER();",

@@ -11,9 +11,11 @@ from ..errors import ShapeError
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y/z; OpenCL devices accept at least this
 
 
-def kernel_source(filename: str) -> str:
-    """Read a .c kernel shipped beside the op module (installed as package data)."""
-    return resources.files("portakern.ops").joinpath(filename).read_text()
+def kernel_source(*filenames: str) -> str:
+    """Read .c files shipped beside the op modules (package data), joined in order: shared
+    helpers (e.g. vexp.c) first, then the op's kernels."""
+    root = resources.files("portakern.ops")
+    return "\n".join(root.joinpath(f).read_text() for f in filenames)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -21,19 +21,47 @@
 #define DV_ (DV > 0 ? DV : 1)
 #define QB (BQ * TQ)
 #define AT_VEC (VEC > 1 && PK_HAS_VECTOR && PK_PLAIN_T && (BK % VEC) == 0)
-#if AT_VEC
 #define DVP (((DV_ + VEC - 1) / VEC) * VEC) /* V rows padded to whole vectors */
+/* PACK_KV (CPU schedule): K and V are first copied, once, into zero-padded workspaces: KT
+ * (per kv head DQ rows of Skp keys: K transposed) and VP (Skp rows of DVP). The vector path
+ * then reads its tiles straight from them: no local-memory staging and no barriers, so the
+ * runtime keeps each work-item's accumulators in registers for the whole key loop. */
+#define AT_PACKED (AT_VEC && PACK_KV)
+#if AT_VEC
 #define NSV (BK / VEC)
 #define NAV (DVP / VEC)
 #endif
+
+/* KT[(kvh * DQ_ + d) * Skp + j] = K[kvh][j][d], VP[(kvh * Skp + j) * DVP + d] = V[kvh][j][d],
+ * zeros past Sk and past DV. One work-item per key row; groups of BK rows, kv heads along
+ * the group index. */
+PK_KERNEL void attention_pack_kv(PK_GLOBAL const PK_T_T* PK_RESTRICT K,
+                                 PK_GLOBAL const PK_T_T* PK_RESTRICT V,
+                                 PK_GLOBAL PK_ACC_T* PK_RESTRICT KT,
+                                 PK_GLOBAL PK_ACC_T* PK_RESTRICT VP, int Sk, int Skp)
+{
+    const int tiles = Skp / BK;
+    const int g = PK_GROUP_ID(0);
+    const int kvh = g / tiles;
+    const int j = (g - kvh * tiles) * BK + PK_LOCAL_ID(0);
+    const int ok = j < Sk;
+    for (int d = 0; d < DQ_; ++d)
+        KT[(kvh * DQ_ + d) * Skp + j] = (ok && d < DQ) ? PK_LOAD_T(K, (kvh * Sk + j) * DQ + d)
+                                                       : (PK_ACC_T)0;
+    for (int d = 0; d < DVP; ++d)
+        VP[(kvh * Skp + j) * DVP + d] = (ok && d < DV) ? PK_LOAD_T(V, (kvh * Sk + j) * DV + d)
+                                                       : (PK_ACC_T)0;
+}
 
 PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                          PK_GLOBAL const PK_T_T* PK_RESTRICT K,
                          PK_GLOBAL const PK_T_T* PK_RESTRICT V,
                          PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
                          PK_GLOBAL PK_T_T* PK_RESTRICT O,
+                         PK_GLOBAL const PK_ACC_T* PK_RESTRICT KT,
+                         PK_GLOBAL const PK_ACC_T* PK_RESTRICT VP,
                          int Sq, int Sk, int Hq, int group, int nqb, PK_ACC_T scale,
-                         int causal, int has_mask, int ms0, int ms1, int ms2, int ms3)
+                         int causal, int has_mask, int ms0, int ms1, int ms2, int ms3, int Skp)
 {
     const int g = PK_GROUP_ID(0);
     const int bh = g / nqb;
@@ -47,8 +75,17 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 
 #if AT_VEC
     typedef PK_CAT(PK_ACC_T, VEC) vt;
+#if AT_PACKED
+    const PK_GLOBAL PK_ACC_T* kth = KT + (b * Hkv + h / group) * DQ_ * Skp;
+    const PK_GLOBAL PK_ACC_T* vph = VP + (b * Hkv + h / group) * Skp * DVP;
+#define AT_KROW(d) (kth + (d) * Skp + k0) /* keys k0.. of dimension d */
+#define AT_VROW(j) (vph + (k0 + (j)) * DVP)
+#else
     PK_LOCAL PK_ACC_T Kt[DQ_][BK]; /* transposed: Kt[d][j] = K[k0 + j][d] */
     PK_LOCAL PK_ACC_T Vs[BK][DVP];
+#define AT_KROW(d) (&Kt[d][0])
+#define AT_VROW(j) (&Vs[j][0])
+#endif
     vt acc[TQ][NAV];
     for (int t = 0; t < TQ; ++t)
         for (int c = 0; c < NAV; ++c) acc[t][c] = (vt)(0);
@@ -61,7 +98,9 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 #endif
     PK_ACC_T qr[TQ][DQ_];
     PK_ACC_T m[TQ], l[TQ];
+#if !AT_VEC
     PK_ACC_T sc[BK];
+#endif
     for (int t = 0; t < TQ; ++t) {
         const int qrow = min(q0 + t, Sq - 1);
         for (int d = 0; d < DQ; ++d) qr[t][d] = PK_LOAD_T(Q, (bh * Sq + qrow) * DQ + d) * scale;
@@ -71,7 +110,9 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 
     const int kend = causal ? min(Sk, qb * QB + QB) : Sk;
     for (int k0 = 0; k0 < kend; k0 += BK) {
-#if AT_VEC
+#if AT_PACKED
+        /* tiles are read from KT/VP in place */
+#elif AT_VEC
         for (int idx = lid; idx < BK * DQ; idx += BQ) {
             const int j = idx / DQ, d = idx - (idx / DQ) * DQ;
             Kt[d][j] = (k0 + j < Sk) ? PK_LOAD_T(K, (kvrow0 + k0 + j) * DQ + d) : (PK_ACC_T)0;
@@ -98,55 +139,106 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
             Vs[j][d] = (k0 + j < Sk) ? PK_LOAD_T(V, (kvrow0 + k0 + j) * DV + d) : (PK_ACC_T)0;
         }
 #endif
+#if !AT_PACKED
         PK_BARRIER();
+#endif
 
 #if AT_VEC
+        /* scores of the tile: TQ x BK, VEC keys per vector FMA chain */
         vt sv[TQ][NSV];
         for (int t = 0; t < TQ; ++t)
             for (int c = 0; c < NSV; ++c) sv[t][c] = (vt)(0);
         for (int d = 0; d < DQ; ++d) {
             vt kv[NSV];
-            for (int c = 0; c < NSV; ++c) kv[c] = PK_CAT(vload, VEC)(c, &Kt[d][0]);
+            for (int c = 0; c < NSV; ++c) kv[c] = PK_CAT(vload, VEC)(c, AT_KROW(d));
             for (int t = 0; t < TQ; ++t) {
                 const vt qd = (vt)(qr[t][d]);
                 for (int c = 0; c < NSV; ++c) sv[t][c] = fma(qd, kv[c], sv[t][c]);
             }
         }
-#endif
+        /* The accumulators are copied into a tile-local array: acc lives across the barriers,
+         * so a CPU OpenCL runtime keeps it in memory per work-item, and every FMA into it would
+         * load and store; a copy that dies inside the tile can stay in registers. */
+        vt a[TQ][NAV];
+        for (int t = 0; t < TQ; ++t)
+            for (int c = 0; c < NAV; ++c) a[t][c] = acc[t][c];
+        /* per query: new running max, one rescale of (l, acc), probabilities into pt[t] */
+        PK_ACC_T pt[TQ][BK];
+        int on[TQ]; /* the query has a key to attend in this tile */
+        int all_on = 1;
         for (int t = 0; t < TQ; ++t) {
             const int qi = q0 + t;
-            const int mrow = b * ms0 + h * ms1 + min(qi, Sq - 1) * ms2;
-#if AT_VEC
-            /* a tile with nothing masked: max, exp and sum stay in vectors */
+            on[t] = 1;
+            PK_ACC_T mn;
             if (!has_mask && k0 + BK <= Sk && (!causal || k0 + BK - 1 <= qi)) {
+                /* nothing masked: the max stays in vectors */
                 vt bmv = sv[t][0];
                 for (int c = 1; c < NSV; ++c) bmv = fmax(bmv, sv[t][c]);
                 PK_ACC_T* bl = (PK_ACC_T*)&bmv;
                 PK_ACC_T bm = bl[0];
                 for (int e = 1; e < VEC; ++e) bm = fmax(bm, bl[e]);
-                const PK_ACC_T mn = fmax(bm, m[t]);
-                const PK_ACC_T corr = exp(m[t] - mn);
-                for (int c = 0; c < NAV; ++c) acc[t][c] *= (vt)(corr);
-                vt lv = (vt)(0);
-                for (int c = 0; c < NSV; ++c) {
-                    const vt p = exp(sv[t][c] - (vt)(mn));
-                    lv += p;
-                    PK_CAT(vstore, VEC)(p, c, sc);
-                }
-                PK_ACC_T* ll = (PK_ACC_T*)&lv;
-                PK_ACC_T lt = l[t] * corr;
-                for (int e = 0; e < VEC; ++e) lt += ll[e];
+                mn = fmax(bm, m[t]);
+            } else { /* a tile edge, the causal diagonal or a mask: key by key */
+                const int mrow = b * ms0 + h * ms1 + min(qi, Sq - 1) * ms2;
+                for (int c = 0; c < NSV; ++c) PK_CAT(vstore, VEC)(sv[t][c], c, &pt[t][0]);
+                PK_ACC_T bm = -PK_INFINITY;
                 for (int j = 0; j < BK; ++j) {
-                    const vt pv = (vt)(sc[j]);
-                    for (int c = 0; c < NAV; ++c)
-                        acc[t][c] = fma(pv, PK_CAT(vload, VEC)(c, &Vs[j][0]), acc[t][c]);
+                    const int kj = k0 + j;
+                    int ok = kj < Sk && (!causal || kj <= qi);
+                    if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
+                    const PK_ACC_T sj = ok ? pt[t][j] : -PK_INFINITY;
+                    pt[t][j] = sj;
+                    bm = (sj > bm || sj != sj) ? sj : bm;
                 }
-                l[t] = lt;
-                m[t] = mn;
-                continue;
+                if (bm == -PK_INFINITY) { /* nothing to attend: this row skips the tile */
+                    on[t] = 0;
+                    all_on = 0;
+                    continue;
+                }
+                mn = (bm > m[t] || bm != bm) ? bm : m[t];
+                for (int c = 0; c < NSV; ++c) sv[t][c] = PK_CAT(vload, VEC)(c, &pt[t][0]);
             }
-            for (int c = 0; c < NSV; ++c) PK_CAT(vstore, VEC)(sv[t][c], c, sc);
-#endif
+            const PK_ACC_T corr = exp(m[t] - mn);
+            for (int c = 0; c < NAV; ++c) a[t][c] *= (vt)(corr);
+            vt lv = (vt)(0);
+            for (int c = 0; c < NSV; ++c) {
+                const vt p = PK_VEXP(sv[t][c] - (vt)(mn)); /* masked keys: exp(-inf) = 0 */
+                lv += p;
+                PK_CAT(vstore, VEC)(p, c, &pt[t][0]);
+            }
+            PK_ACC_T* ll = (PK_ACC_T*)&lv;
+            PK_ACC_T lt = l[t] * corr;
+            for (int e = 0; e < VEC; ++e) lt += ll[e];
+            l[t] = lt;
+            m[t] = mn;
+        }
+        /* P.V: each V row is loaded once and used by all TQ queries */
+        if (all_on) {
+            for (int j = 0; j < BK; ++j) {
+                vt vr[NAV];
+                for (int c = 0; c < NAV; ++c) vr[c] = PK_CAT(vload, VEC)(c, AT_VROW(j));
+                for (int t = 0; t < TQ; ++t) {
+                    const vt pv = (vt)(pt[t][j]);
+                    for (int c = 0; c < NAV; ++c) a[t][c] = fma(pv, vr[c], a[t][c]);
+                }
+            }
+        } else {
+            for (int j = 0; j < BK; ++j) {
+                vt vr[NAV];
+                for (int c = 0; c < NAV; ++c) vr[c] = PK_CAT(vload, VEC)(c, AT_VROW(j));
+                for (int t = 0; t < TQ; ++t) {
+                    if (!on[t]) continue;
+                    const vt pv = (vt)(pt[t][j]);
+                    for (int c = 0; c < NAV; ++c) a[t][c] = fma(pv, vr[c], a[t][c]);
+                }
+            }
+        }
+        for (int t = 0; t < TQ; ++t)
+            for (int c = 0; c < NAV; ++c) acc[t][c] = a[t][c];
+#else
+        for (int t = 0; t < TQ; ++t) {
+            const int qi = q0 + t;
+            const int mrow = b * ms0 + h * ms1 + min(qi, Sq - 1) * ms2;
             PK_ACC_T bm = -PK_INFINITY;
             for (int j = 0; j < BK; ++j) {
                 const int kj = k0 + j;
@@ -154,12 +246,8 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
                 PK_ACC_T s = -PK_INFINITY;
                 if (ok) {
-#if AT_VEC
-                    s = sc[j];
-#else
                     s = (PK_ACC_T)0;
                     for (int d = 0; d < DQ; ++d) s += qr[t][d] * Ks[j][d];
-#endif
                 }
                 sc[j] = s;
                 bm = (s > bm || s != s) ? s : bm;
@@ -168,31 +256,19 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
             const PK_ACC_T mn = (bm > m[t] || bm != bm) ? bm : m[t];
             const PK_ACC_T corr = exp(m[t] - mn);
             PK_ACC_T lt = l[t] * corr;
-#if AT_VEC
-            for (int c = 0; c < NAV; ++c) acc[t][c] *= (vt)(corr);
-            for (int c = 0; c < NSV; ++c) {
-                const vt p = exp(PK_CAT(vload, VEC)(c, sc) - (vt)(mn));
-                PK_CAT(vstore, VEC)(p, c, sc);
-            }
-            for (int j = 0; j < BK; ++j) {
-                const PK_ACC_T p = sc[j];
-                lt += p;
-                const vt pv = (vt)(p);
-                for (int c = 0; c < NAV; ++c)
-                    acc[t][c] = fma(pv, PK_CAT(vload, VEC)(c, &Vs[j][0]), acc[t][c]);
-            }
-#else
             for (int d = 0; d < DV; ++d) acc[t][d] *= corr;
             for (int j = 0; j < BK; ++j) {
                 const PK_ACC_T p = exp(sc[j] - mn);
                 lt += p;
                 for (int d = 0; d < DV; ++d) acc[t][d] += p * Vs[j][d];
             }
-#endif
             l[t] = lt;
             m[t] = mn;
         }
+#endif
+#if !AT_PACKED
         PK_BARRIER();
+#endif
     }
 
     for (int t = 0; t < TQ; ++t) {

@@ -23,7 +23,18 @@ import numpy as np
 
 from ..dtypes import dtype_name
 from ..errors import InvalidArgumentError, ShapeError
-from ..spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
+from ..spec import (
+    MAX_INDEX,
+    ArrayMeta,
+    Buf,
+    Cost,
+    KernelSpec,
+    Launch,
+    Operand,
+    Problem,
+    Scalar,
+    Tunable,
+)
 from ._common import broadcast_strides, cdiv, kernel_source, need_rank
 from .attention_pallas import build as pallas_build  # imports jax only when called
 
@@ -133,9 +144,36 @@ def effective_bk(p: Problem, cfg: Mapping[str, int]) -> int:
     return bk
 
 
+def packs_kv(p: Problem, cfg: Mapping[str, int]) -> bool:
+    """Whether K and V are first copied into the KT/VP workspaces (PACK_KV, see attention.c):
+    asked for, on the vector path (VEC > 1 dividing BK, storage type = compute type), and the
+    copies indexable with 32-bit ints. A dialect without vector types (CUDA) compiles the
+    scalar path, which ignores the copies: the GPU schedule has PACK_KV=0."""
+    if not cfg.get("PACK_KV") or cfg["VEC"] <= 1 or p.info.storage != p.info.compute:
+        return False
+    if effective_bk(p, cfg) % cfg["VEC"]:
+        return False
+    kt, vp = _packed_elements(p, cfg)
+    return max(kt, vp) <= MAX_INDEX
+
+
+def _packed_elements(p: Problem, cfg: Mapping[str, int]) -> tuple[int, int]:
+    d, bk, vec = p.derived, effective_bk(p, cfg), cfg["VEC"]
+    heads, skp = d["B"] * d["Hkv"], cdiv(d["Sk"], bk) * bk
+    dvp = cdiv(max(1, d["Dv"]), vec) * vec
+    return heads * max(1, d["D"]) * skp, heads * skp * dvp
+
+
+def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
+    if not packs_kv(p, cfg):
+        return {}
+    kt, vp = _packed_elements(p, cfg)
+    return {"kt": (kt, p.dtype), "vp": (vp, p.dtype)}
+
+
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
     return {"BQ": cfg["BQ"], "BK": effective_bk(p, cfg), "TQ": cfg["TQ"], "VEC": cfg["VEC"],
-            "DQ": p.derived["D"], "DV": p.derived["Dv"]}
+            "DQ": p.derived["D"], "DV": p.derived["Dv"], "PACK_KV": int(packs_kv(p, cfg))}
 
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
@@ -143,11 +181,22 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     nqb = cdiv(d["Sq"], cfg["BQ"] * cfg["TQ"])
     ms = d["mask_strides"]
     has_mask = p.shapes["mask"] is not None
+    packed = packs_kv(p, cfg)
+    bk = effective_bk(p, cfg)
+    skp = cdiv(d["Sk"], bk) * bk
+    pre: list[Launch] = []
+    if packed:
+        pre.append(Launch("attention_pack_kv", (d["B"] * d["Hkv"] * (skp // bk), 1, 1),
+                          (bk, 1, 1), (Buf("k"), Buf("v"), Buf("kt"), Buf("vp"),
+                                       Scalar(d["Sk"]), Scalar(skp))))
+    kt, vp = ("kt", "vp") if packed else ("q", "q")  # unread without PACK_KV
     args = (Buf("q"), Buf("k"), Buf("v"), Buf("mask" if has_mask else "q"), Buf("out"),
+            Buf(kt), Buf(vp),
             Scalar(d["Sq"]), Scalar(d["Sk"]), Scalar(d["Hq"]), Scalar(d["Hq"] // d["Hkv"]),
             Scalar(nqb), Scalar(p.params["scale"], "acc"), Scalar(int(p.params["causal"])),
-            Scalar(int(has_mask)), Scalar(ms[0]), Scalar(ms[1]), Scalar(ms[2]), Scalar(ms[3]))
-    return [Launch("attention", (d["B"] * d["Hq"] * nqb, 1, 1), (cfg["BQ"], 1, 1), args)]
+            Scalar(int(has_mask)), Scalar(ms[0]), Scalar(ms[1]), Scalar(ms[2]), Scalar(ms[3]),
+            Scalar(skp))
+    return pre + [Launch("attention", (d["B"] * d["Hq"] * nqb, 1, 1), (cfg["BQ"], 1, 1), args)]
 
 
 def cost(p: Problem) -> Cost:
@@ -195,18 +244,21 @@ SPEC = KernelSpec(
     params={"causal": False, "scale": None},
     validate=validate,
     semantics=semantics,
-    source=kernel_source("attention.c"),
+    source=kernel_source("vexp.c", "attention.c"),
     slots=lambda p: {"T": p.dtype},
     defines=defines,
     launches=launches,
+    workspace=workspace,
     cost=cost,
     tolerance=tolerance,
     tunables=(Tunable("BQ", (1, 2, 4, 8, 16, 32, 64, 128, 256), "queries per work-group"),
               Tunable("BK", (1, 2, 4, 8, 16, 32, 64, 128), "keys per local-memory tile"),
-              Tunable("TQ", (1, 2, 4, 8), "queries per work-item (register blocking)"),
-              Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes (CPU schedule, OpenCL)")),
-    schedules={"gpu": {"BQ": 64, "BK": 32, "TQ": 1, "VEC": 1},
-               "cpu": {"BQ": 8, "BK": 64, "TQ": 4, "VEC": 16}},
+              Tunable("TQ", (1, 2, 4, 6, 8), "queries per work-item (register blocking)"),
+              Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes (CPU schedule, OpenCL)"),
+              Tunable("PACK_KV", (0, 1), "copy K transposed and V into padded workspaces "
+                      "first; tiles read in place, no barriers (vector path)")),
+    schedules={"gpu": {"BQ": 64, "BK": 32, "TQ": 1, "VEC": 1, "PACK_KV": 0},
+               "cpu": {"BQ": 1, "BK": 64, "TQ": 8, "VEC": 16, "PACK_KV": 1}},
     pallas=pallas_build,
     doc="Fused attention with online softmax; GQA, causal and boolean masks.",
 )
