@@ -780,3 +780,22 @@ def test_handwritten_xla_peer_gets_only_present_operands() -> None:
     assert host["mask"] is None
     m = run_xla(be, case, host, timing.TimingConfig(min_time=0.0, min_reps=2, budget_s=10))
     assert m.status == "ok", m.reason
+
+
+def test_attention_memory_counts_the_fused_kernels_workspace(kernel_target: str) -> None:
+    """The fused kernel's extra memory is what its spec's workspace allocates per call (PACK_KV
+    copies of K and V on the CPU schedule), not a hard-coded 0; the issue's bound is 64 MiB."""
+    from portakern import selection
+    from portakern.bench.runner import attention_memory
+
+    be = selection.get(kernel_target)
+    case = suites.Case("attention", "float32", suites._att(4096), {"causal": False})
+    mem = attention_memory(be, case)
+    spec = get_op("attention")
+    prob = spec.problem(*spec.bind(suites.metadata_inputs(case), {"causal": False}))
+    ws = spec.workspace(prob, be.config_for(spec, prob, None))
+    expected = sum(n * np.dtype(dt).itemsize for n, dt in ws.values())
+    assert mem["fused"]["extra_bytes"] == expected
+    if be.device_class == "cpu":  # PACK_KV: K^T and V, 8 heads x 4096 keys x 64 x 4 B each
+        assert expected == 2 * 8 * 4096 * 64 * 4
+    assert mem["fused"]["extra_bytes"] <= 64 << 20 < mem["unfused"]["extra_bytes"]

@@ -255,20 +255,28 @@ def attention_memory(be: Backend, case: Case) -> dict[str, Any]:
         prob = spec.problem(*spec.bind(metadata_inputs(case), dict(case.params)))
         cfg = be.config_for(spec, prob, None)
         d = spec.defines(prob, cfg)
+        ws = spec.workspace(prob, cfg) if spec.workspace is not None else {}
+        scratch = sum(int(n) * dtypes.info(dt).storage.itemsize for n, dt in ws.values())
         if "BQ" in d and "BK" in d:
-            local = d["BK"] * (D + Dv) * esz
-            private = (D + Dv + d["BK"]) * esz
+            packed = bool(d.get("PACK_KV"))
+            local = 0 if packed else d["BK"] * (D + Dv) * esz
+            private = (D + Dv + d["BK"]) * esz * d.get("TQ", 1)
             per_group = local + d["BQ"] * private
-            groups = B * Hq * -(-Sq // d["BQ"])
-            out["fused"] = {"extra_bytes": 0, "local_bytes_per_group": local,
+            groups = B * Hq * -(-Sq // (d["BQ"] * d.get("TQ", 1)))
+            out["fused"] = {"extra_bytes": scratch,
+                            "workspace_bytes": {k: int(n) * dtypes.info(dt).storage.itemsize
+                                                for k, (n, dt) in ws.items()},
+                            "local_bytes_per_group": local,
                             "private_bytes_per_item": private,
                             "on_chip_bytes_per_group": per_group, "groups": groups,
-                            "BQ": d["BQ"], "BK": d["BK"],
-                            "note": "no global scratch; the K/V tiles (local) and q row, "
-                                    "accumulator and score tile (private) declared in "
-                                    "attention.c: O(1) in Sq*Sk"}
+                            "BQ": d["BQ"], "BK": d["BK"], "TQ": d.get("TQ", 1),
+                            "note": ("K transposed and V copied once into padded workspaces "
+                                     "(PACK_KV, O(Sk) in size), tiles read from them in place; "
+                                     if packed else "no global scratch; K/V tiles in local "
+                                     "memory; ") + "the q rows, accumulators and score tile "
+                                    "per work-item (private): O(1) in Sq*Sk"}
         else:
-            out["fused"] = {"extra_bytes": 0, "note": "attention.c defines changed; the "
+            out["fused"] = {"extra_bytes": scratch, "note": "attention.c defines changed; the "
                             "on-chip working set could not be derived"}
     else:
         out["fused"] = {"extra_bytes": None, "note": f"{be.name} lowers attention through its "
