@@ -145,7 +145,7 @@ class OpenCLBackend(KernelBackend):
         _, self._cl_device = _all_devices()[info.index]
         self.ctx = cl.Context([self._cl_device])
         self._empty_meta: dict[tuple[tuple[int, ...], str], tuple[Any, ...]] = {}
-        self._fast_empty = True
+        self._fast_empty = True  # False: pyopencl changed, arrays come from cla.empty
         self.queue = cl.CommandQueue(self.ctx)
         self._pool: Any = None
         if os.environ.get("PORTAKERN_OPENCL_POOL", "1") != "0":
@@ -201,34 +201,36 @@ class OpenCLBackend(KernelBackend):
         """An uninitialised output array, built on the hot path of every call without out=.
 
         ``pyopencl.array.empty`` spends ~15 µs in Python re-deriving size and strides (more than
-        the whole rest of a call); the clBuffer itself costs well under 1 µs. So the metadata
-        is computed once per (shape, dtype) and the array is made with pyopencl's own fast
-        constructor (the one its ``_new_with_changes`` uses). Should a pyopencl release drop
-        that constructor, the first failure switches this backend back to ``empty`` for good."""
+        the whole rest of a call); the clBuffer itself costs well under 1 µs. So the first
+        array of each (shape, dtype) is made by ``empty`` and its attributes kept as a
+        template; later ones are that template with a fresh buffer and a fresh event list
+        (``_array_template`` says when a pyopencl release makes that unsafe, and this
+        backend then stays on the public path)."""
         key = (shape, dtype)
-        meta = self._empty_meta.get(key) if self._fast_empty else None
+        meta = self._empty_meta.get(key)
         if meta is None:
-            if not self._fast_empty:
-                return self._allocate(cla.empty, shape, dtype)
             proto = self._allocate(cla.empty, shape, dtype)
-            meta = (proto.dtype, proto.strides, proto.size, proto.nbytes)
+            template = _array_template(proto) if self._fast_empty else None
+            if template is None:
+                self._fast_empty = False
+                return proto
             if len(self._empty_meta) > 4096:  # bounded, like the plan cache
                 self._empty_meta.clear()
-            self._empty_meta[key] = meta
+            self._empty_meta[key] = (template, proto.nbytes)
             return proto
-        st, strides, size, nbytes = meta
+        template, nbytes = meta
         try:
             data = self._new_buffer(nbytes) if nbytes else None
         except cl.Error as exc:
             if not _is_allocation_failure(exc):
                 raise
             raise self._oom(f"an output {shape} {dtype}", nbytes, exc) from None
-        try:
-            return cla.Array(None, shape, st, strides=strides, data=data, _fast=True,
-                             _size=size, _context=self.ctx, _queue=self.queue)
-        except TypeError:  # pyopencl changed its private constructor: take the public path
-            self._fast_empty = False
-            return self._allocate(cla.empty, shape, dtype)
+        arr = _new_array(cla.Array)
+        d = arr.__dict__
+        d.update(template)
+        d["base_data"] = data
+        d["events"] = []
+        return arr
 
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
         return self._allocate(cla.zeros, shape, dtype)
@@ -309,6 +311,25 @@ class OpenCLBackend(KernelBackend):
                 nbytes = sum(int(a.size) for a in args if isinstance(a, cl.MemoryObjectHolder))
                 raise self._oom(f"the buffers of kernel {launch.kernel!r}", nbytes,
                                 exc) from None
+
+
+_new_array = object.__new__
+
+
+def _array_template(proto: Any) -> dict[str, Any] | None:
+    """The attributes of a freshly made pyopencl Array, less its buffer and event list, for
+    ``OpenCLBackend.empty`` to copy; None when copying them would not give an independent,
+    equivalent array: no instance __dict__, a custom __new__, or any other attribute holding
+    a mutable container (which copies would share)."""
+    if type(proto).__new__ is not object.__new__ or not hasattr(proto, "__dict__"):
+        return None
+    attrs = dict(proto.__dict__)
+    if "base_data" not in attrs or not isinstance(attrs.pop("events", None), list):
+        return None
+    attrs.pop("base_data")
+    if any(isinstance(v, (list, dict, set, bytearray)) for v in attrs.values()):
+        return None
+    return attrs
 
 
 def _cache_dir() -> str | None:

@@ -8,7 +8,7 @@ from typing import Any
 from . import selection
 from .backends.base import Backend
 from .ops import get_op
-from .spec import KernelSpec, Problem
+from .spec import KernelSpec, Problem, params_key_of
 
 
 def call(op: str | KernelSpec, *args: Any, backend: str | Backend | None = None,
@@ -19,8 +19,12 @@ def call(op: str | KernelSpec, *args: Any, backend: str | Backend | None = None,
     device array of the result's shape and dtype to write into (C-kernel backends).
     """
     spec = op if isinstance(op, KernelSpec) else get_op(op)
-    arrays, params = spec.bind(args, kwargs)
-    prob = _problem(spec, arrays, params)  # validation happens before any backend is touched
+    if not kwargs and spec.all_positional(args):  # the hot path: defaults, nothing to bind
+        arrays = dict(zip(spec._operand_names, args))
+        prob = _problem(spec, arrays, spec.params, spec._default_params_key)
+    else:
+        arrays, params = spec.bind(args, kwargs)
+        prob = _problem(spec, arrays, params)  # validation happens before any backend is touched
     be = selection.resolve(backend, arrays.values())
     if out is not None:
         return be.run(spec, prob, arrays, config, out=out)
@@ -30,8 +34,8 @@ def call(op: str | KernelSpec, *args: Any, backend: str | Backend | None = None,
 _PROBLEMS: dict[Any, Problem] = {}
 
 
-def _metadata_key(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[str, Any]
-                  ) -> Any:
+def _metadata_key(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[str, Any],
+                  params_key: tuple | None = None) -> Any:
     """What validation depends on: the spec, each operand's type/shape/dtype, the params.
 
     None when something is plainly not a key; an unhashable parameter value is caught where
@@ -50,14 +54,17 @@ def _metadata_key(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[s
         except (AttributeError, TypeError):
             return None
     # types too: True == 1 and hash(True) == hash(1), yet axis=True must be refused
-    append(tuple([(k, v.__class__, v) for k, v in params.items()]))
+    append(params_key if params_key is not None else params_key_of(params))
     return tuple(parts)
 
 
-def _problem(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[str, Any]
-             ) -> Problem:
-    """Validated Problem, memoised on metadata: a repeated call re-validates nothing."""
-    key = _metadata_key(spec, arrays, params)
+def _problem(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[str, Any],
+             params_key: tuple | None = None) -> Problem:
+    """Validated Problem, memoised on metadata: a repeated call re-validates nothing.
+
+    ``params`` may be the spec's own defaults (the positional fast path of ``call``);
+    ``KernelSpec.problem`` hands validation a copy."""
+    key = _metadata_key(spec, arrays, params, params_key)
     if key is not None:
         try:
             got = _PROBLEMS.get(key)

@@ -200,17 +200,26 @@ class KernelSpec:
     def _no_optional_operands(self) -> bool:
         return not any(o.optional for o in self.operands)
 
+    @functools.cached_property
+    def _default_params_key(self) -> tuple:
+        return params_key_of(self.params)
+
+    def all_positional(self, args: Sequence[object]) -> bool:
+        """Whether ``args`` are exactly the operands, in order, none None (no optional ones):
+        then binding is a zip and the parameters are the defaults."""
+        if len(args) != len(self._operand_names) or not self._no_optional_operands:
+            return False
+        for a in args:
+            if a is None:
+                return False
+        return True
+
     def bind(self, args: Sequence[object], kwargs: Mapping[str, Any]
              ) -> tuple[dict[str, object], dict[str, Any]]:
         """Split a call into operand arrays (by name) and parameters (defaults filled)."""
         names = self._operand_names
-        if not kwargs and len(args) == len(names) and self._no_optional_operands:
-            # the hot path (every operand positional): nothing to resolve but a None operand
-            for a in args:
-                if a is None:
-                    break
-            else:
-                return dict(zip(names, args)), dict(self.params)
+        if not kwargs and self.all_positional(args):
+            return dict(zip(names, args)), dict(self.params)
         arrays: dict[str, object] = {}
         if len(args) > len(names):
             raise InvalidArgumentError(
@@ -295,6 +304,12 @@ class KernelSpec:
 
     def replace(self, **changes: Any) -> KernelSpec:
         return dataclasses.replace(self, **changes)
+
+
+def params_key_of(params: Mapping[str, Any]) -> tuple:
+    """The parameters' part of a validation-memo key (portakern.api). Types too: True == 1
+    and hash(True) == hash(1), yet axis=True must be refused."""
+    return tuple([(k, v.__class__, v) for k, v in params.items()])
 
 
 def reject_unsupported(spec: str, dtype_name: str, supported: Sequence[str], device: str) -> None:

@@ -551,6 +551,35 @@ def test_validation_does_not_depend_on_earlier_calls() -> None:
         api._PROBLEMS.clear()
 
 
+def test_positional_fast_path_leaves_the_specs_defaults_alone() -> None:
+    """pk.call(op, *operands) binds by zip and hands the spec's own defaults to the memo;
+    validation must get a copy it may write into (KernelSpec.problem copies), and a later
+    call with other parameters must not get the defaults' cached problem."""
+    from portakern import api
+
+    base = get_op("softmax")
+    seen: list[Any] = []
+
+    def validate(metas: Any, params: dict[str, Any]) -> Any:
+        seen.append(params)
+        return base.validate(metas, params)
+
+    spec = base.replace(name="softmax_sees_params", validate=validate)
+    assert spec.all_positional((X,))  # the call below takes the fast path
+    before = dict(spec.params)
+    x = np.random.default_rng(5).standard_normal((3, 5)).astype(f32)
+    api._PROBLEMS.clear()
+    try:
+        plain = pk.call(spec, x, backend="numpy")
+        assert seen and all(p is not spec.params for p in seen)
+        assert dict(spec.params) == before
+        other = pk.call(spec, x, axis=0, backend="numpy")
+        assert not np.allclose(plain, other)
+        np.testing.assert_array_equal(pk.call(spec, x, backend="numpy"), plain)
+    finally:
+        api._PROBLEMS.clear()
+
+
 # --- the docs table stays complete ------------------------------------------------------
 def all_case_ids() -> list[str]:
     """Every distinct bad input this suite and tests/test_errors.py refuse (docs list them)."""

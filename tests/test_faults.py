@@ -205,6 +205,62 @@ def test_opencl_output_allocation_failure(monkeypatch: pytest.MonkeyPatch, which
         assert "(4, 3)" in str(info.value)
 
 
+def test_opencl_outputs_from_the_array_template_are_independent_arrays() -> None:
+    """After the first output of a shape, OpenCLBackend.empty copies a template of pyopencl's
+    attributes: each array must still own its buffer and event list, and behave like one
+    pyopencl.array.empty made (shape, strides, dtype, flags, reads, pyopencl arithmetic)."""
+    import pyopencl.array as cla
+
+    be = _opencl()
+    shape = (5, 7)
+    ref = cla.empty(be.queue, shape, np.float32)  # type: ignore[attr-defined]
+    first = be.empty(shape, "float32")  # type: ignore[attr-defined]
+    a, b = be.empty(shape, "float32"), be.empty(shape, "float32")  # type: ignore[attr-defined]
+    assert be._empty_meta  # type: ignore[attr-defined]  # the template path ran
+    for x in (first, a, b):
+        assert (x.shape, x.strides, x.dtype, x.size, x.nbytes, x.offset) == (
+            ref.shape, ref.strides, ref.dtype, ref.size, ref.nbytes, ref.offset)
+        assert x.flags.c_contiguous and x.context == be.ctx  # type: ignore[attr-defined]
+    assert a.base_data is not b.base_data and a.base_data.int_ptr != b.base_data.int_ptr
+    import pyopencl as cl
+
+    a.add_event(cl.enqueue_marker(be.queue))  # type: ignore[attr-defined]
+    assert len(a.events) == 1 and b.events == [] and first.events == []
+    ha = np.arange(35, dtype=np.float32).reshape(shape)
+    a.set(ha)
+    b.set(-ha)
+    np.testing.assert_array_equal((a + b).get(), np.zeros(shape, np.float32))
+    np.testing.assert_array_equal(a.get(), ha)
+
+
+def test_opencl_empty_takes_the_public_path_when_the_template_is_unsafe(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should a pyopencl release give Array a mutable attribute (or __slots__), the template
+    would be shared or impossible: the backend then makes every output with cla.empty."""
+    from portakern.backends import opencl as ocl
+
+    be = type(_opencl())("0")
+    monkeypatch.setattr(ocl, "_array_template", lambda proto: None)
+    x = be.empty((3, 4), "float32")  # type: ignore[attr-defined]
+    y = be.empty((3, 4), "float32")  # type: ignore[attr-defined]
+    assert not be._fast_empty and not be._empty_meta  # type: ignore[attr-defined]
+    assert x.base_data is not y.base_data and x.shape == y.shape == (3, 4)
+    got = pk.softmax(be.to_native(np.ones((3, 4), np.float32)), backend=be)
+    np.testing.assert_allclose(got.get(), np.full((3, 4), 0.25, np.float32), rtol=1e-6)
+
+
+def test_array_template_refuses_mutable_attributes() -> None:
+    from portakern.backends.opencl import _array_template
+
+    class Fake:
+        def __init__(self, extra: Any) -> None:
+            self.base_data, self.events, self.shape, self.extra = object(), [], (2,), extra
+
+    assert _array_template(Fake(3)) == {"shape": (2,), "extra": 3}
+    assert _array_template(Fake([1])) is None
+    assert _array_template(Fake({})) is None
+
+
 def test_opencl_pool_frees_what_it_holds_before_giving_up(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """A pooled allocation that fails is retried once after the pool's idle blocks are freed
