@@ -82,6 +82,9 @@ MUTANTS = {
         "attention", "#define AT_KROW(d) (kth + (d) * Skp + k0)",
         "#define AT_KROW(d) (kth + ((d) + 1) % DQ_ * Skp + k0)",
         {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
+    "attention: P.V also runs rows with nothing to attend in the tile": (
+        "attention", "                if (!all_on && !on[t]) continue;\n", "",
+        {"BK": 16, "VEC": 16}, "float32"),
     # rmsnorm is registered like any user op: its mutants run through its spec's own generator
     "rmsnorm: missing barrier in the reduction": (
         "rmsnorm", "            lb[lid] += lb[lid + step];\n        }\n        PK_BARRIER();",

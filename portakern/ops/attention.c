@@ -212,25 +212,15 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
             l[t] = lt;
             m[t] = mn;
         }
-        /* P.V: each V row is loaded once and used by all TQ queries */
-        if (all_on) {
-            for (int j = 0; j < BK; ++j) {
-                vt vr[NAV];
-                for (int c = 0; c < NAV; ++c) vr[c] = PK_CAT(vload, VEC)(c, AT_VROW(j));
-                for (int t = 0; t < TQ; ++t) {
-                    const vt pv = (vt)(pt[t][j]);
-                    for (int c = 0; c < NAV; ++c) a[t][c] = fma(pv, vr[c], a[t][c]);
-                }
-            }
-        } else {
-            for (int j = 0; j < BK; ++j) {
-                vt vr[NAV];
-                for (int c = 0; c < NAV; ++c) vr[c] = PK_CAT(vload, VEC)(c, AT_VROW(j));
-                for (int t = 0; t < TQ; ++t) {
-                    if (!on[t]) continue;
-                    const vt pv = (vt)(pt[t][j]);
-                    for (int c = 0; c < NAV; ++c) a[t][c] = fma(pv, vr[c], a[t][c]);
-                }
+        /* P.V: each V row is loaded once and used by all TQ queries (all_on is uniform over
+         * the loop, so the compiler unswitches the test) */
+        for (int j = 0; j < BK; ++j) {
+            vt vr[NAV];
+            for (int c = 0; c < NAV; ++c) vr[c] = PK_CAT(vload, VEC)(c, AT_VROW(j));
+            for (int t = 0; t < TQ; ++t) {
+                if (!all_on && !on[t]) continue;
+                const vt pv = (vt)(pt[t][j]);
+                for (int c = 0; c < NAV; ++c) a[t][c] = fma(pv, vr[c], a[t][c]);
             }
         }
         for (int t = 0; t < TQ; ++t)
