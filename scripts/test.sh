@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 status=0
 run() {
-  PORTAKERN_TEST_BACKENDS="$1" .venv/bin/python -m pytest tests -q -p no:cacheprovider "${@:2}"
+  PORTAKERN_TEST_BACKENDS="$1" .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=8 "${@:2}"
   local rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest collected no tests for backends $1 — treating that as a failure" >&2
