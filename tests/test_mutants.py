@@ -40,6 +40,10 @@ MUTANTS = {
     "softmax: vector exp without the low part of ln2": (
         "softmax", "    r = fma(n, (pk_fv)(2.12194440e-4f), r);\n", "",
         {"VEC": 16, "WG": 1, "STORE_EXP": 0}, "float32"),
+    "softmax: vector exp rounds n with 2^23 instead of 1.5 * 2^23": (
+        "softmax", "(pk_fv)(12582912.0f));\n    const pk_fv n = shifted - (pk_fv)(12582912.0f);",
+        "(pk_fv)(8388608.0f));\n    const pk_fv n = shifted - (pk_fv)(8388608.0f);",
+        {"VEC": 16, "WG": 1, "STORE_EXP": 1}, "float32"),
     "softmax: vector path skips the block rescale": (
         "softmax", "vt acc = sv * PK_VEXP(mv - bm);", "vt acc = sv;",
         {"VEC": 16, "WG": 1, "STORE_EXP": 0}, "float32"),
@@ -60,8 +64,8 @@ MUTANTS = {
     "attention: no rescale of the accumulator (scalar path)": (
         "attention", "for (int d = 0; d < DV; ++d) acc[t][d] *= corr;", "", {"BK": 4}, "float32"),
     "attention: no rescale of the accumulator (vector path)": (
-        "attention", "for (int c = 0; c < NAV; ++c) a[t][c] *= (vt)(corr);", "", {"BK": 16},
-        "float32"),
+        "attention", "for (int c = 0; c < NAV; ++c) a[t][c] *= (vt)(corr);",
+        "for (int c = 0; c < NAV; ++c) a[t][c] *= (vt)(1);", {"BK": 16}, "float32"),
     "attention: transposed K tile off by one key": (
         "attention", "Kt[d][j] = (k0 + j < Sk)", "Kt[d][j] = (k0 + j + 1 < Sk)",
         {"BK": 16, "PACK_KV": 0, "BQ": 8}, "float32"),
@@ -79,12 +83,25 @@ MUTANTS = {
         "#define AT_VROW(j) (vph + (j) * DVP)",
         {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
     "attention: packed path reads the tile's keys one dimension late": (
-        "attention", "#define AT_KROW(d) (kth + (d) * Skp + k0)",
-        "#define AT_KROW(d) (kth + ((d) + 1) % DQ_ * Skp + k0)",
+        "attention", "#define AT_KROW(d) (kth + (k0 / BK * DQ_ + (d)) * BK)",
+        "#define AT_KROW(d) (kth + (k0 / BK * DQ_ + ((d) + 1) % DQ_) * BK)",
         {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
     "attention: P.V also runs rows with nothing to attend in the tile": (
-        "attention", "                if (!all_on && !on[t]) continue;\n", "",
+        "attention", "                    if (!all_on && !on[t]) continue;\n", "",
         {"BK": 16, "VEC": 16}, "float32"),
+    "attention: the denominators' lane sum drops a lane": (
+        "attention", "e[i] += e[i + w];", "e[i] += (w == 1) ? (PK_ACC_T)0 : e[i + w];",
+        {"BK": 16, "VEC": 16}, "float32"),
+    "attention: a moved running max keeps the old scale": (
+        "attention", "(mn == m[t0 + t]) ? (PK_ACC_T)1", "(mn != m[t0 + t]) ? (PK_ACC_T)1",
+        {"BK": 16, "VEC": 16}, "float32"),
+    "attention: every register block of an item uses the first block's state": (
+        "attention", "const int t0 = r * TQ;", "const int t0 = 0;",
+        {"BK": 16, "VEC": 16, "TQ": 2, "RQ": 4}, "float32"),
+    "attention: packed K tiles laid out one tile apart too few": (
+        "attention", "#define AT_KROW(d) (kth + (k0 / BK * DQ_ + (d)) * BK)",
+        "#define AT_KROW(d) (kth + (k0 / BK * (DQ_ - 1) + (d)) * BK)",
+        {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
     # rmsnorm is registered like any user op: its mutants run through its spec's own generator
     "rmsnorm: missing barrier in the reduction": (
         "rmsnorm", "            lb[lid] += lb[lid + step];\n        }\n        PK_BARRIER();",

@@ -4,9 +4,10 @@
  * MASK: bytes (1 = attend) addressed with broadcast strides ms0..ms3 (0 on broadcast dims).
  * Grouped-query attention: query head h reads kv head h / group.
  *
- * One work-group = QB = BQ*TQ queries of one (batch, head); one work-item = TQ query rows,
- * whose q, output accumulators and running (max m, sum l) live in registers. Key/value tiles
- * of BK rows are staged in local memory and shared by the group. Online softmax per tile
+ * One work-group = QB = BQ*RQ*TQ queries of one (batch, head); one work-item = RQ blocks of
+ * TQ query rows; a block's scores and output accumulators live in registers for a tile.
+ * Key/value tiles of BK rows are staged in local memory and shared by the group (or, with
+ * PACK_KV, read in place from packed copies). Online softmax per tile
  * (FlashAttention): scores of the tile -> tile max -> one rescale of (l, acc) -> accumulate.
  * Causal: tiles wholly after the group's last query are never loaded. A row with no key to
  * attend (fully masked, or Sk = 0) writes 0.
@@ -19,22 +20,44 @@
  */
 #define DQ_ (DQ > 0 ? DQ : 1)
 #define DV_ (DV > 0 ? DV : 1)
-#define QB (BQ * TQ)
+#define QI (RQ * TQ) /* queries per work-item */
+#define QB (BQ * QI)  /* queries per work-group */
 #define AT_VEC (VEC > 1 && PK_HAS_VECTOR && PK_PLAIN_T && (BK % VEC) == 0)
 #define DVP (((DV_ + VEC - 1) / VEC) * VEC) /* V rows padded to whole vectors */
 /* PACK_KV (CPU schedule): K and V are first copied, once, into zero-padded workspaces: KT
- * (per kv head DQ rows of Skp keys: K transposed) and VP (Skp rows of DVP). The vector path
- * then reads its tiles straight from them: no local-memory staging and no barriers, so the
- * runtime keeps each work-item's accumulators in registers for the whole key loop. */
+ * (per kv head and key tile, DQ rows of BK keys: each tile of K transposed and contiguous, so
+ * its rows do not crowd into the few cache sets that rows Skp floats apart would share) and
+ * VP (Skp rows of DVP). The vector path then reads its tiles straight from them: no
+ * local-memory staging and no barriers. */
 #define AT_PACKED (AT_VEC && PACK_KV)
 #if AT_VEC
 #define NSV (BK / VEC)
 #define NAV (DVP / VEC)
+typedef PK_CAT(PK_ACC_T, VEC) at_vt;
+/* max of a vector's lanes as a tree: log2(VEC) dependent steps, not VEC - 1 */
+PK_DEVICE_FN PK_ACC_T at_lane_max(at_vt v)
+{
+    PK_ACC_T* e = (PK_ACC_T*)&v;
+    #pragma unroll
+    for (int w = VEC / 2; w >= 1; w /= 2)
+        #pragma unroll
+        for (int i = 0; i < w; ++i) e[i] = fmax(e[i], e[i + w]);
+    return e[0];
+}
+PK_DEVICE_FN PK_ACC_T at_lane_sum(at_vt v)
+{
+    PK_ACC_T* e = (PK_ACC_T*)&v;
+    #pragma unroll
+    for (int w = VEC / 2; w >= 1; w /= 2)
+        #pragma unroll
+        for (int i = 0; i < w; ++i) e[i] += e[i + w];
+    return e[0];
+}
 #endif
 
-/* KT[(kvh * DQ_ + d) * Skp + j] = K[kvh][j][d], VP[(kvh * Skp + j) * DVP + d] = V[kvh][j][d],
- * zeros past Sk and past DV. One work-item per key row; groups of BK rows, kv heads along
- * the group index. */
+/* KT[kvh * DQ_ * Skp + (tile * DQ_ + d) * BK + jj] = K[kvh][tile * BK + jj][d],
+ * VP[(kvh * Skp + j) * DVP + d] = V[kvh][j][d], zeros past Sk and past DV.
+ * One work-item per key row; groups of BK rows, kv heads along the group index. */
 PK_KERNEL void attention_pack_kv(PK_GLOBAL const PK_T_T* PK_RESTRICT K,
                                  PK_GLOBAL const PK_T_T* PK_RESTRICT V,
                                  PK_GLOBAL PK_ACC_T* PK_RESTRICT KT,
@@ -43,11 +66,13 @@ PK_KERNEL void attention_pack_kv(PK_GLOBAL const PK_T_T* PK_RESTRICT K,
     const int tiles = Skp / BK;
     const int g = PK_GROUP_ID(0);
     const int kvh = g / tiles;
-    const int j = (g - kvh * tiles) * BK + PK_LOCAL_ID(0);
+    const int tile = g - kvh * tiles;
+    const int jj = PK_LOCAL_ID(0);
+    const int j = tile * BK + jj;
     const int ok = j < Sk;
     for (int d = 0; d < DQ_; ++d)
-        KT[(kvh * DQ_ + d) * Skp + j] = (ok && d < DQ) ? PK_LOAD_T(K, (kvh * Sk + j) * DQ + d)
-                                                       : (PK_ACC_T)0;
+        KT[kvh * DQ_ * Skp + (tile * DQ_ + d) * BK + jj] =
+            (ok && d < DQ) ? PK_LOAD_T(K, (kvh * Sk + j) * DQ + d) : (PK_ACC_T)0;
     for (int d = 0; d < DVP; ++d)
         VP[(kvh * Skp + j) * DVP + d] = (ok && d < DV) ? PK_LOAD_T(V, (kvh * Sk + j) * DV + d)
                                                        : (PK_ACC_T)0;
@@ -71,14 +96,14 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
     const int Hkv = Hq / group;
     const int kvrow0 = (b * Hkv + h / group) * Sk;
     const int lid = PK_LOCAL_ID(0);
-    const int q0 = qb * QB + lid * TQ; /* this item's first query */
+    const int q0 = qb * QB + lid * QI; /* this item's first query */
 
 #if AT_VEC
-    typedef PK_CAT(PK_ACC_T, VEC) vt;
+    typedef at_vt vt;
 #if AT_PACKED
     const PK_GLOBAL PK_ACC_T* kth = KT + (b * Hkv + h / group) * DQ_ * Skp;
     const PK_GLOBAL PK_ACC_T* vph = VP + (b * Hkv + h / group) * Skp * DVP;
-#define AT_KROW(d) (kth + (d) * Skp + k0) /* keys k0.. of dimension d */
+#define AT_KROW(d) (kth + (k0 / BK * DQ_ + (d)) * BK) /* keys k0.. of dimension d */
 #define AT_VROW(j) (vph + (k0 + (j)) * DVP)
 #else
     PK_LOCAL PK_ACC_T Kt[DQ_][BK]; /* transposed: Kt[d][j] = K[k0 + j][d] */
@@ -86,22 +111,26 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 #define AT_KROW(d) (&Kt[d][0])
 #define AT_VROW(j) (&Vs[j][0])
 #endif
-    vt acc[TQ][NAV];
-    for (int t = 0; t < TQ; ++t)
+    vt acc[QI][NAV];
+    vt lsum[QI]; /* running softmax denominators, lane-wise: summed across lanes at the end */
+    for (int t = 0; t < QI; ++t) {
+        lsum[t] = (vt)(0);
+        #pragma unroll
         for (int c = 0; c < NAV; ++c) acc[t][c] = (vt)(0);
+    }
 #else
     PK_LOCAL PK_ACC_T Ks[BK][DQ_];
     PK_LOCAL PK_ACC_T Vs[BK][DV_];
-    PK_ACC_T acc[TQ][DV_];
-    for (int t = 0; t < TQ; ++t)
+    PK_ACC_T acc[QI][DV_];
+    for (int t = 0; t < QI; ++t)
         for (int d = 0; d < DV; ++d) acc[t][d] = (PK_ACC_T)0;
 #endif
-    PK_ACC_T qr[TQ][DQ_];
-    PK_ACC_T m[TQ], l[TQ];
+    PK_ACC_T qr[QI][DQ_];
+    PK_ACC_T m[QI], l[QI];
 #if !AT_VEC
     PK_ACC_T sc[BK];
 #endif
-    for (int t = 0; t < TQ; ++t) {
+    for (int t = 0; t < QI; ++t) {
         const int qrow = min(q0 + t, Sq - 1);
         for (int d = 0; d < DQ; ++d) qr[t][d] = PK_LOAD_T(Q, (bh * Sq + qrow) * DQ + d) * scale;
         m[t] = -PK_INFINITY;
@@ -144,89 +173,108 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 #endif
 
 #if AT_VEC
-        /* scores of the tile: TQ x BK, VEC keys per vector FMA chain */
-        vt sv[TQ][NSV];
-        for (int t = 0; t < TQ; ++t)
-            for (int c = 0; c < NSV; ++c) sv[t][c] = (vt)(0);
-        for (int d = 0; d < DQ; ++d) {
-            vt kv[NSV];
-            for (int c = 0; c < NSV; ++c) kv[c] = PK_CAT(vload, VEC)(c, AT_KROW(d));
-            for (int t = 0; t < TQ; ++t) {
-                const vt qd = (vt)(qr[t][d]);
-                for (int c = 0; c < NSV; ++c) sv[t][c] = fma(qd, kv[c], sv[t][c]);
-            }
-        }
-        /* The accumulators are copied into a tile-local array: acc lives across the barriers,
-         * so a CPU OpenCL runtime keeps it in memory per work-item, and every FMA into it would
-         * load and store; a copy that dies inside the tile can stay in registers. */
-        vt a[TQ][NAV];
-        for (int t = 0; t < TQ; ++t)
-            for (int c = 0; c < NAV; ++c) a[t][c] = acc[t][c];
-        /* per query: new running max, one rescale of (l, acc), probabilities into pt[t] */
-        PK_ACC_T pt[TQ][BK];
-        int on[TQ]; /* the query has a key to attend in this tile */
-        int all_on = 1;
-        for (int t = 0; t < TQ; ++t) {
-            const int qi = q0 + t;
-            on[t] = 1;
-            PK_ACC_T mn;
-            if (!has_mask && k0 + BK <= Sk && (!causal || k0 + BK - 1 <= qi)) {
-                /* nothing masked: the max stays in vectors */
-                vt bmv = sv[t][0];
-                for (int c = 1; c < NSV; ++c) bmv = fmax(bmv, sv[t][c]);
-                PK_ACC_T* bl = (PK_ACC_T*)&bmv;
-                PK_ACC_T bm = bl[0];
-                for (int e = 1; e < VEC; ++e) bm = fmax(bm, bl[e]);
-                mn = fmax(bm, m[t]);
-            } else { /* a tile edge, the causal diagonal or a mask: key by key */
-                const int mrow = b * ms0 + h * ms1 + min(qi, Sq - 1) * ms2;
-                for (int c = 0; c < NSV; ++c) PK_CAT(vstore, VEC)(sv[t][c], c, &pt[t][0]);
-                PK_ACC_T bm = -PK_INFINITY;
-                for (int j = 0; j < BK; ++j) {
-                    const int kj = k0 + j;
-                    int ok = kj < Sk && (!causal || kj <= qi);
-                    if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
-                    const PK_ACC_T sj = ok ? pt[t][j] : -PK_INFINITY;
-                    pt[t][j] = sj;
-                    bm = (sj > bm || sj != sj) ? sj : bm;
+        /* The item's RQ sub-blocks of TQ queries take the tile in turn while it is hot in
+         * the cache: K and V stream from memory once per QI queries, not once per TQ. */
+        for (int r = 0; r < RQ; ++r) {
+            const int t0 = r * TQ;
+            /* scores of the tile: TQ x BK, VEC keys per vector FMA chain */
+            vt sv[TQ][NSV];
+            #pragma unroll
+            for (int t = 0; t < TQ; ++t)
+                #pragma unroll
+                for (int c = 0; c < NSV; ++c) sv[t][c] = (vt)(0);
+            for (int d = 0; d < DQ; ++d) {
+                vt kv[NSV];
+                #pragma unroll
+                for (int c = 0; c < NSV; ++c) kv[c] = PK_CAT(vload, VEC)(c, AT_KROW(d));
+                #pragma unroll
+                for (int t = 0; t < TQ; ++t) {
+                    const vt qd = (vt)(qr[t0 + t][d]);
+                    #pragma unroll
+                    for (int c = 0; c < NSV; ++c) sv[t][c] = fma(qd, kv[c], sv[t][c]);
                 }
-                if (bm == -PK_INFINITY) { /* nothing to attend: this row skips the tile */
-                    on[t] = 0;
-                    all_on = 0;
-                    continue;
-                }
-                mn = (bm > m[t] || bm != bm) ? bm : m[t];
-                for (int c = 0; c < NSV; ++c) sv[t][c] = PK_CAT(vload, VEC)(c, &pt[t][0]);
             }
-            const PK_ACC_T corr = exp(m[t] - mn);
-            for (int c = 0; c < NAV; ++c) a[t][c] *= (vt)(corr);
-            vt lv = (vt)(0);
-            for (int c = 0; c < NSV; ++c) {
-                const vt p = PK_VEXP(sv[t][c] - (vt)(mn)); /* masked keys: exp(-inf) = 0 */
-                lv += p;
-                PK_CAT(vstore, VEC)(p, c, &pt[t][0]);
-            }
-            PK_ACC_T* ll = (PK_ACC_T*)&lv;
-            PK_ACC_T lt = l[t] * corr;
-            for (int e = 0; e < VEC; ++e) lt += ll[e];
-            l[t] = lt;
-            m[t] = mn;
-        }
-        /* P.V: each V row is loaded once and used by all TQ queries (all_on is uniform over
-         * the loop, so the compiler unswitches the test) */
-        for (int j = 0; j < BK; ++j) {
-            vt vr[NAV];
-            for (int c = 0; c < NAV; ++c) vr[c] = PK_CAT(vload, VEC)(c, AT_VROW(j));
+            /* The accumulators are copied into a tile-local array: acc lives across tiles
+             * (and barriers), so a CPU OpenCL runtime keeps it in memory per work-item and
+             * every FMA into it would load and store; a copy that dies inside the tile can
+             * stay in registers. */
+            vt a[TQ][NAV];
+            #pragma unroll
+            for (int t = 0; t < TQ; ++t)
+                #pragma unroll
+                for (int c = 0; c < NAV; ++c) a[t][c] = acc[t0 + t][c];
+            /* per query: new running max, one rescale of (l, acc), probabilities into pt[t] */
+            PK_ACC_T pt[TQ][BK];
+            int on[TQ]; /* the query has a key to attend in this tile */
+            int all_on = 1;
+            #pragma unroll
             for (int t = 0; t < TQ; ++t) {
-                if (!all_on && !on[t]) continue;
-                const vt pv = (vt)(pt[t][j]);
-                for (int c = 0; c < NAV; ++c) a[t][c] = fma(pv, vr[c], a[t][c]);
+                const int qi = q0 + t0 + t;
+                on[t] = 1;
+                PK_ACC_T mn;
+                if (!has_mask && k0 + BK <= Sk && (!causal || k0 + BK - 1 <= qi)) {
+                    /* nothing masked: the max stays in vectors */
+                    vt bmv = sv[t][0];
+                    #pragma unroll
+                    for (int c = 1; c < NSV; ++c) bmv = fmax(bmv, sv[t][c]);
+                    mn = fmax(at_lane_max(bmv), m[t0 + t]);
+                } else { /* a tile edge, the causal diagonal or a mask: key by key */
+                    const int mrow = b * ms0 + h * ms1 + min(qi, Sq - 1) * ms2;
+                    #pragma unroll
+                    for (int c = 0; c < NSV; ++c) PK_CAT(vstore, VEC)(sv[t][c], c, &pt[t][0]);
+                    PK_ACC_T bm = -PK_INFINITY;
+                    for (int j = 0; j < BK; ++j) {
+                        const int kj = k0 + j;
+                        int ok = kj < Sk && (!causal || kj <= qi);
+                        if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
+                        const PK_ACC_T sj = ok ? pt[t][j] : -PK_INFINITY;
+                        pt[t][j] = sj;
+                        bm = (sj > bm || sj != sj) ? sj : bm;
+                    }
+                    if (bm == -PK_INFINITY) { /* nothing to attend: this row skips the tile */
+                        on[t] = 0;
+                        all_on = 0;
+                        continue;
+                    }
+                    mn = (bm > m[t0 + t] || bm != bm) ? bm : m[t0 + t];
+                    #pragma unroll
+                    for (int c = 0; c < NSV; ++c) sv[t][c] = PK_CAT(vload, VEC)(c, &pt[t][0]);
+                }
+                /* the max seldom moves after the first tiles: no exp then */
+                const PK_ACC_T corr = (mn == m[t0 + t]) ? (PK_ACC_T)1 : exp(m[t0 + t] - mn);
+                #pragma unroll
+                for (int c = 0; c < NAV; ++c) a[t][c] *= (vt)(corr);
+                vt lv = lsum[t0 + t] * (vt)(corr);
+                #pragma unroll
+                for (int c = 0; c < NSV; ++c) {
+                    const vt p = PK_VEXP(sv[t][c] - (vt)(mn)); /* masked keys: exp(-inf) = 0 */
+                    lv += p;
+                    PK_CAT(vstore, VEC)(p, c, &pt[t][0]);
+                }
+                lsum[t0 + t] = lv;
+                m[t0 + t] = mn;
             }
+            /* P.V: each V row is loaded once and used by all TQ queries (all_on is uniform over
+             * the loop, so the compiler unswitches the test) */
+            for (int j = 0; j < BK; ++j) {
+                vt vr[NAV];
+                #pragma unroll
+                for (int c = 0; c < NAV; ++c) vr[c] = PK_CAT(vload, VEC)(c, AT_VROW(j));
+                #pragma unroll
+                for (int t = 0; t < TQ; ++t) {
+                    if (!all_on && !on[t]) continue;
+                    const vt pv = (vt)(pt[t][j]);
+                    #pragma unroll
+                    for (int c = 0; c < NAV; ++c) a[t][c] = fma(pv, vr[c], a[t][c]);
+                }
+            }
+            #pragma unroll
+            for (int t = 0; t < TQ; ++t)
+                #pragma unroll
+                for (int c = 0; c < NAV; ++c) acc[t0 + t][c] = a[t][c];
         }
-        for (int t = 0; t < TQ; ++t)
-            for (int c = 0; c < NAV; ++c) acc[t][c] = a[t][c];
 #else
-        for (int t = 0; t < TQ; ++t) {
+        for (int t = 0; t < QI; ++t) {
             const int qi = q0 + t;
             const int mrow = b * ms0 + h * ms1 + min(qi, Sq - 1) * ms2;
             PK_ACC_T bm = -PK_INFINITY;
@@ -261,9 +309,12 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 #endif
     }
 
-    for (int t = 0; t < TQ; ++t) {
+    for (int t = 0; t < QI; ++t) {
         const int qi = q0 + t;
         if (qi >= Sq) continue;
+#if AT_VEC
+        l[t] = at_lane_sum(lsum[t]);
+#endif
         const PK_ACC_T inv = (l[t] == (PK_ACC_T)0) ? (PK_ACC_T)0 : (PK_ACC_T)1 / l[t];
 #if AT_VEC
         PK_ACC_T* ar = (PK_ACC_T*)&acc[t][0];

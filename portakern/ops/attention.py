@@ -172,13 +172,14 @@ def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
 
 
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
-    return {"BQ": cfg["BQ"], "BK": effective_bk(p, cfg), "TQ": cfg["TQ"], "VEC": cfg["VEC"],
+    return {"BQ": cfg["BQ"], "BK": effective_bk(p, cfg), "TQ": cfg["TQ"], "RQ": cfg["RQ"],
+            "VEC": cfg["VEC"],
             "DQ": p.derived["D"], "DV": p.derived["Dv"], "PACK_KV": int(packs_kv(p, cfg))}
 
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     d = p.derived
-    nqb = cdiv(d["Sq"], cfg["BQ"] * cfg["TQ"])
+    nqb = cdiv(d["Sq"], cfg["BQ"] * cfg["RQ"] * cfg["TQ"])
     ms = d["mask_strides"]
     has_mask = p.shapes["mask"] is not None
     packed = packs_kv(p, cfg)
@@ -253,12 +254,14 @@ SPEC = KernelSpec(
     tolerance=tolerance,
     tunables=(Tunable("BQ", (1, 2, 4, 8, 16, 32, 64, 128, 256), "queries per work-group"),
               Tunable("BK", (1, 2, 4, 8, 16, 32, 64, 128), "keys per local-memory tile"),
-              Tunable("TQ", (1, 2, 4, 6, 8), "queries per work-item (register blocking)"),
+              Tunable("TQ", (1, 2, 4, 6, 8), "queries per register block of a work-item"),
+              Tunable("RQ", (1, 2, 4, 8, 16), "register blocks per work-item, taking each "
+                      "K/V tile in turn while it is cached"),
               Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes (CPU schedule, OpenCL)"),
               Tunable("PACK_KV", (0, 1), "copy K transposed and V into padded workspaces "
                       "first; tiles read in place, no barriers (vector path)")),
-    schedules={"gpu": {"BQ": 64, "BK": 32, "TQ": 1, "VEC": 1, "PACK_KV": 0},
-               "cpu": {"BQ": 1, "BK": 64, "TQ": 8, "VEC": 16, "PACK_KV": 1}},
+    schedules={"gpu": {"BQ": 64, "BK": 32, "TQ": 1, "RQ": 1, "VEC": 1, "PACK_KV": 0},
+               "cpu": {"BQ": 1, "BK": 64, "TQ": 4, "RQ": 8, "VEC": 16, "PACK_KV": 1}},
     pallas=pallas_build,
     doc="Fused attention with online softmax; GQA, causal and boolean masks.",
 )

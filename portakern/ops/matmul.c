@@ -65,7 +65,9 @@ PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
     const int co = c_off + z0 * sc0 + z1 * sc1;
 
     PK_ACC_T acc[TM][NCOL];
+    #pragma unroll
     for (int i = 0; i < TM; ++i)
+        #pragma unroll
         for (int j = 0; j < NCOL; ++j)
             acc[i][j] = (PK_ACC_T)0;
 
@@ -87,9 +89,12 @@ PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
         PK_BARRIER();
         for (int kk = 0; kk < TK; ++kk) {
             PK_ACC_T b[NCOL];
+            #pragma unroll
             for (int j = 0; j < NCOL; ++j) b[j] = Bs[kk][tx + j * LX];
+            #pragma unroll
             for (int i = 0; i < TM; ++i) {
                 const PK_ACC_T a = As[kk][ty + i * LY];
+                #pragma unroll
                 for (int j = 0; j < NCOL; ++j) acc[i][j] += a * b[j];
             }
         }
@@ -115,13 +120,18 @@ PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
         const int ldb = N;
 #endif
         vacc_t vacc[TM][TN];
+        #pragma unroll
         for (int i = 0; i < TM; ++i)
+            #pragma unroll
             for (int j = 0; j < TN; ++j) vacc[i][j] = (vacc_t)(0);
         for (int k = 0; k < K; ++k) {
             vacc_t b[TN];
+            #pragma unroll
             for (int j = 0; j < TN; ++j) b[j] = PK_CAT(vload, VEC)(j, bp + k * ldb);
+            #pragma unroll
             for (int i = 0; i < TM; ++i) {
                 const PK_ACC_T a = A[arow[i] + k];
+                #pragma unroll
                 for (int j = 0; j < TN; ++j) vacc[i][j] = fma((vacc_t)(a), b[j], vacc[i][j]);
             }
         }
@@ -177,9 +187,12 @@ PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
 #endif
     for (int k = 0; k < K; ++k) {
         PK_ACC_T b[NCOL];
+        #pragma unroll
         for (int j = 0; j < NCOL; ++j) b[j] = PK_LOAD_T(bsrc, bcol[j] + k * ldb);
+        #pragma unroll
         for (int i = 0; i < TM; ++i) {
             const PK_ACC_T a = PK_LOAD_T(A, arow[i] + k);
+            #pragma unroll
             for (int j = 0; j < NCOL; ++j) acc[i][j] += a * b[j];
         }
     }

@@ -182,7 +182,7 @@ SPEC = KernelSpec(
     schedules={
         "gpu": {"TM": 4, "TN": 4, "LX": 16, "LY": 16, "TK": 16, "USE_LOCAL": 1, "VEC": 1,
                 "PACK_B": 0},
-        "cpu": {"TM": 8, "TN": 2, "LX": 1, "LY": 2, "TK": 16, "USE_LOCAL": 0, "VEC": 16,
+        "cpu": {"TM": 6, "TN": 4, "LX": 1, "LY": 1, "TK": 16, "USE_LOCAL": 0, "VEC": 16,
                 "PACK_B": 1},
     },
     config_check=config_check,
