@@ -75,6 +75,19 @@ class TransferCounter:
                 "d2h_bytes": self.d2h_bytes}
 
 
+NOT_PLANNED = object()  # call_site / _run_planned: "not a planned call; take the general path"
+
+
+def site_key(spec: KernelSpec, args: Sequence[Any]) -> tuple:
+    """What a positional call's validation depended on: the spec and each operand's type,
+    shape and dtype (the parameters are the spec's defaults). Raises AttributeError for
+    operands that have no shape/dtype (an unhashable one raises TypeError at the lookup)."""
+    key: tuple = (spec.token,)
+    for a in args:
+        key += (a.__class__, a.shape, a.dtype)
+    return key
+
+
 class Backend:
     """Base class. Subclasses set ``name`` and implement the abstract methods."""
 
@@ -180,6 +193,15 @@ class Backend:
 
     supports_out: ClassVar[bool] = False  # may results be written into a caller's array?
 
+    def call_site(self, spec: KernelSpec, args: Sequence[Any], out: Any) -> Any:
+        """The whole of a repeated positional ``pk.call`` (operands only, default parameters,
+        no config) when this backend has a fast path for it; NOT_PLANNED otherwise, and the
+        caller validates and calls ``run``. Default: no fast path."""
+        return NOT_PLANNED
+
+    def remember_site(self, spec: KernelSpec, args: Sequence[Any], prob: Problem) -> None:
+        """Called after a positional call took the general path (see ``call_site``)."""
+
     def run(self, spec: KernelSpec, prob: Problem, arrays: Mapping[str, Any],
             config: Mapping[str, int] | None = None, out: Any = None) -> Any:
         """Execute a validated problem. numpy in -> numpy out; native in -> native out.
@@ -248,18 +270,26 @@ class Backend:
         raise NotImplementedError
 
 
-_NOT_PLANNED = object()  # _run_planned: "take the general path"
 
 
 class LaunchPlan(list):
     """[(compiled kernel, Launch, argument template)] in launch order, plus the workspace
-    buffers {name: (elements, dtype)} each call allocates (KernelSpec.workspace)."""
+    buffers {name: (elements, dtype)} each call allocates (KernelSpec.workspace) and, per
+    launch, where its template names a buffer ((position, name), ...): a call copies the
+    template and fills those in, instead of testing every argument."""
 
     workspace: dict[str, tuple[int, str]]
+    buffer_slots: list[tuple[tuple[int, str], ...]]
 
     def __init__(self) -> None:
         super().__init__()
         self.workspace = {}
+        self.buffer_slots = []
+
+    def add(self, kernel: Any, launch: Launch, template: list[Any]) -> None:
+        self.append((kernel, launch, template))
+        self.buffer_slots.append(tuple((i, a) for i, a in enumerate(template)
+                                       if a.__class__ is str))
 
 
 class KernelBackend(Backend):
@@ -274,6 +304,50 @@ class KernelBackend(Backend):
         self._plans: dict[tuple, LaunchPlan] = {}
         # id(problem) -> (problem, plan, tuning generation): the repeated-call fast path
         self._hot: dict[int, tuple[Problem, LaunchPlan, int]] = {}
+        # site_key -> the same triple: a repeated positional pk.call (call_site)
+        self._sites: dict[tuple, tuple[Problem, LaunchPlan, int]] = {}
+
+    def call_site(self, spec: KernelSpec, args: Sequence[Any], out: Any) -> Any:
+        """A repeated positional call in one dict lookup (the issue's dispatch bound): its
+        metadata were validated and its launch planned when ``remember_site`` stored it, for
+        this tuning generation. What can differ per call is still checked, as in
+        ``_run_planned``: every operand native, on this context and contiguous, and ``out``."""
+        try:
+            hit = self._sites.get(site_key(spec, args))
+        except (AttributeError, TypeError):  # no shape/dtype, or unhashable: the general path
+            return NOT_PLANNED
+        if hit is None or hit[2] != tune._GENERATION:
+            return NOT_PLANNED
+        prob, plan = hit[0], hit[1]
+        is_native = self.is_native
+        for a in args:
+            if not is_native(a):
+                return NOT_PLANNED
+        if out is not None:
+            self.check_out(spec, prob, out)
+        prepare = self.prepare_native
+        bufs = {}
+        for name, a in zip(spec._operand_names, args):
+            bufs[name] = prepare(name, a)
+        return self._launch(plan, bufs, out, prob)
+
+    def remember_site(self, spec: KernelSpec, args: Sequence[Any], prob: Problem) -> None:
+        """Store a positional call's plan for ``call_site`` once the general path planned it
+        (only all-native calls with a cacheable problem are planned "hot")."""
+        hot = self._hot.get(id(prob))
+        if hot is None or hot[0] is not prob:
+            return
+        is_native = self.is_native
+        for a in args:
+            if not is_native(a):
+                return
+        try:
+            key = site_key(spec, args)
+            if len(self._sites) > 4096:  # bounded, like the plan cache
+                self._sites.clear()
+            self._sites[key] = hot
+        except (AttributeError, TypeError):
+            return
 
     def run(self, spec: KernelSpec, prob: Problem, arrays: Mapping[str, Any],
             config: Mapping[str, int] | None = None, out: Any = None) -> Any:
@@ -285,7 +359,7 @@ class KernelBackend(Backend):
             hot = self._hot.get(id(prob))
             if hot is not None and hot[0] is prob and hot[2] == tune._GENERATION:
                 res = self._run_planned(spec, prob, hot[1], arrays, out)
-                if res is not _NOT_PLANNED:
+                if res is not NOT_PLANNED:
                     return res
         return super().run(spec, prob, arrays, config, out=out)
 
@@ -295,17 +369,17 @@ class KernelBackend(Backend):
         backend has already planned, every operand a native array. What ``Backend.run``
         memoises is skipped (the dtype check passed when the plan was made; a native operand
         needs no host check); what can differ per call is still checked: each operand's
-        device/context and contiguity, and ``out``. Anything else returns _NOT_PLANNED and
+        device/context and contiguity, and ``out``. Anything else returns NOT_PLANNED and
         takes the general path."""
         is_native = self.is_native
         bufs: dict[str, Any] = {}
         for k, v in arrays.items():
             if v is not None:
                 if not is_native(v):
-                    return _NOT_PLANNED
+                    return NOT_PLANNED
                 bufs[k] = v
         if not bufs:
-            return _NOT_PLANNED
+            return NOT_PLANNED
         if out is not None:
             self.check_out(spec, prob, out)
         prepare = self.prepare_native
@@ -392,9 +466,11 @@ class KernelBackend(Backend):
             bufs[name] = self.empty((n,), dt)
         buffer_arg = self.buffer_arg
         enqueue = self.enqueue
-        for kernel, launch, template in plan:
-            enqueue(kernel, launch,
-                    [buffer_arg(bufs[a]) if a.__class__ is str else a for a in template])
+        for (kernel, launch, template), slots in zip(plan, plan.buffer_slots):
+            args = template.copy()
+            for i, name in slots:
+                args[i] = buffer_arg(bufs[name])
+            enqueue(kernel, launch, args)
         return out
 
     def plan(self, spec: KernelSpec, prob: Problem, config: Mapping[str, int] | None
@@ -427,11 +503,12 @@ class KernelBackend(Backend):
             template = [a.name if isinstance(a, Buf) else self.scalar(a, prob) for a in launch.args]
             kernel = kernels[launch.kernel]
             self.declare_arguments(kernel, template)
-            plan.append((kernel, launch, template))
+            plan.add(kernel, launch, template)
         if key is not None:
             if len(self._plans) > 4096:  # bounded: distinct shapes in a long-running process
                 self._plans.clear()
                 self._hot.clear()
+                self._sites.clear()
             self._plans[key] = plan
             if not config and not prob.empty_result:  # keeps prob alive, so its id is unique
                 self._hot[id(prob)] = (prob, plan, tune._GENERATION)

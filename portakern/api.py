@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import selection
-from .backends.base import Backend
+from .backends.base import NOT_PLANNED, Backend
 from .ops import get_op
 from .spec import KernelSpec, Problem, params_key_of
 
@@ -19,12 +19,31 @@ def call(op: str | KernelSpec, *args: Any, backend: str | Backend | None = None,
     device array of the result's shape and dtype to write into (C-kernel backends).
     """
     spec = op if isinstance(op, KernelSpec) else get_op(op)
-    if not kwargs and spec.all_positional(args):  # the hot path: defaults, nothing to bind
+    if not kwargs and not config and spec.all_positional(args):
+        # the hot path: operands only, default parameters. A repeat of a call the backend
+        # already planned is one lookup there (Backend.call_site); otherwise validate first.
+        be: Backend | None
+        if isinstance(backend, Backend):
+            be = backend
+        else:
+            try:
+                be = selection.resolve(backend, args)
+            except Exception:  # raised again below, after validation
+                be = None
+        if be is not None:
+            res = be.call_site(spec, args, out)
+            if res is not NOT_PLANNED:
+                return res
         arrays = dict(zip(spec._operand_names, args))
         prob = _problem(spec, arrays, spec.params, spec._default_params_key)
-    else:
-        arrays, params = spec.bind(args, kwargs)
-        prob = _problem(spec, arrays, params)  # validation happens before any backend is touched
+        if be is None:
+            be = selection.resolve(backend, arrays.values())
+        res = be.run(spec, prob, arrays, None, out=out) if out is not None else \
+            be.run(spec, prob, arrays, None)
+        be.remember_site(spec, args, prob)
+        return res
+    arrays, params = spec.bind(args, kwargs)
+    prob = _problem(spec, arrays, params)  # validation happens before any backend is touched
     be = selection.resolve(backend, arrays.values())
     if out is not None:
         return be.run(spec, prob, arrays, config, out=out)

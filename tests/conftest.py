@@ -69,6 +69,8 @@ def _max_map_count() -> int:
 
 
 MAX_MAPS = _max_map_count()
+# per process: under pytest-xdist (the jax half of scripts/test.sh) each worker clears its own
+# caches, and only the controller's (none) reach the summary below
 JAX_CACHE_CLEARS: list[int] = []
 
 

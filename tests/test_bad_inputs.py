@@ -318,6 +318,84 @@ def test_bad_out_is_refused_on_the_planned_fast_path(device_target: str, bad_out
     check_refused(info.value, err, ("out=",))
 
 
+def _warm_positional_backend(device_target: str) -> KernelBackend:
+    be = selection.get(device_target)
+    if not isinstance(be, KernelBackend):
+        pytest.skip(f"{device_target} has no call-site fast path (not a C-kernel backend)")
+    return be
+
+
+def test_repeated_positional_calls_compute_on_each_calls_operands(device_target: str) -> None:
+    """A repeated positional pk.call is one lookup in Backend.call_site, keyed by the
+    operands' metadata: it must launch on this call's arrays (and a fresh output), never on
+    the arrays or output of the call that planned it."""
+    be = _warm_positional_backend(device_target)
+    rng = np.random.default_rng(11)
+    hosts = [rng.standard_normal((4, 5)).astype(f32) for _ in range(3)]
+    bs = [rng.standard_normal((5, 3)).astype(f32) for _ in range(3)]
+    devs = [(be.to_native(a), be.to_native(b)) for a, b in zip(hosts, bs)]
+    outs = []
+    for _ in range(2):
+        for a, b in devs:
+            outs.append(pk.call("matmul", a, b, backend=be))
+    assert len({id(o) for o in outs}) == len(outs), "outputs must be fresh arrays"
+    for i, o in enumerate(outs):
+        want = hosts[i % 3].astype(np.float64) @ bs[i % 3]
+        np.testing.assert_allclose(be.to_numpy(o), want, rtol=1e-5, atol=1e-5)
+    assert be._sites, "the repeated positional call did not take the call-site fast path"
+
+
+@pytest.mark.parametrize("kind", ["column slice", "offset view"])
+def test_views_are_refused_on_the_call_site_fast_path(device_target: str, kind: str) -> None:
+    """After valid positional calls of the same shape, a positional call with a view a
+    kernel cannot index arrives on Backend.call_site: it must still be refused by name."""
+    be = _warm_positional_backend(device_target)
+    host = np.arange(64, dtype=f32).reshape(8, 8) / 9
+    cut = (slice(None), slice(2, 6)) if kind == "column slice" else (slice(2, 6),)
+    view = be.to_native(host)[cut]
+    b = be.to_native(np.ones((view.shape[1], 3), f32))
+    plain = be.to_native(np.ascontiguousarray(host[cut]))
+    for _ in range(2):
+        pk.call("matmul", plain, b, backend=be)
+    be.synchronize()
+    flags = getattr(view, "flags", None)
+    if flags is not None and flags.c_contiguous and not getattr(view, "offset", 0):
+        pytest.skip(f"a {kind} is a plain array on {device_target}")
+    with no_device_work(be), pytest.raises(pk.InvalidArgumentError) as info:
+        pk.call("matmul", view, b, backend=be)
+    check_refused(info.value, pk.InvalidArgumentError, ("'a'",))
+
+
+def test_call_site_fast_path_follows_a_new_tuning_generation(device_target: str) -> None:
+    """Tuning bumps the generation; a planned call site from before must not be reused."""
+    from portakern import tune
+
+    be = _warm_positional_backend(device_target)
+    a, b = be.to_native(A), be.to_native(B)
+    for _ in range(2):
+        pk.call("matmul", a, b, backend=be)
+    sites = dict(be._sites)
+    assert sites
+    planned: list[Any] = []
+    real_plan = be.plan
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        planned.append(args)
+        return real_plan(*args, **kwargs)
+
+    gen = tune._GENERATION
+    try:
+        tune._GENERATION = gen + 1000
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(be, "plan", spy)
+            got = pk.call("matmul", a, b, backend=be)
+        assert planned, "a call site of an older tuning generation was reused"
+        np.testing.assert_allclose(be.to_numpy(got), A.astype(np.float64) @ B, rtol=1e-5,
+                                   atol=1e-5)
+    finally:
+        tune._GENERATION = gen
+
+
 @pytest.mark.parametrize("name", sorted(BAD_CALLS))
 def test_test_errors_table_never_reaches_a_device(target: str, name: str) -> None:
     """The first table (tests/test_errors.py), re-run under the guard."""

@@ -62,12 +62,16 @@ def test_softmax_shift_invariance(target: str, dtype: str, n: int, shift: float,
     np.testing.assert_allclose(y1, y0, rtol=8 * float(np.finfo(np.float32).eps), atol=0)
 
 
+# 36 shapes, not the 108 of every combination: each new shape is a compilation on the jax
+# targets (a pallas interpret one costs ~0.5 s), and the property is about the causal bound,
+# which the (sq, sk) grid covers; GQA and an odd head dim each keep one unpadded partner.
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@given(hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]),
+@given(heads=st.sampled_from([(1, 1), (2, 3)]),
        sq=st.sampled_from([1, 5, 17]), sk=st.sampled_from([1, 4, 33]),
-       d=st.sampled_from([8, 40, 59]), seed=st.integers(0, 2**31 - 1))
-def test_causal_row_zero_is_v0(target: str, dtype: str, hkv: int, group: int, sq: int, sk: int,
-                               d: int, seed: int) -> None:
+       d=st.sampled_from([8, 59]), seed=st.integers(0, 2**31 - 1))
+def test_causal_row_zero_is_v0(target: str, dtype: str, heads: tuple[int, int], sq: int,
+                               sk: int, d: int, seed: int) -> None:
+    hkv, group = heads
     rng = np.random.default_rng(seed)
     cast = lambda s: dtypes.cast_to(rng.standard_normal(s), dtype)  # noqa: E731
     q, k, v = cast((2, hkv * group, sq, d)), cast((2, hkv, sk, d)), cast((2, hkv, sk, d))
