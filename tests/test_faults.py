@@ -462,6 +462,10 @@ def test_bench_survives_a_real_sigint(tmp_path: Path) -> None:
            "sys.exit(main(sys.argv[1:]))", "bench", "--ops", "matmul", "--dtypes", "float32",
            "--backends", target, "--limit", "3", "--peers", "cublas", "--no-probes",
            "--no-plots", "--no-unfused", "--min-time", "1.5", "--min-reps", "2",
+           # no rep cap: each case really measures 1.5 s, so the SIGINT 0.5 s into the second
+           # case lands there however fast the kernel is (a 1.5 ms matmul hit the default cap
+           # of reps in 0.3 s, and the signal then fell in the third case)
+           "--max-reps", "1000000",
            "--out", str(out)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
