@@ -318,18 +318,18 @@ def test_bad_out_is_refused_on_the_planned_fast_path(device_target: str, bad_out
     check_refused(info.value, err, ("out=",))
 
 
-def _warm_positional_backend(device_target: str) -> KernelBackend:
-    be = selection.get(device_target)
+def _warm_positional_backend(kernel_target: str) -> KernelBackend:
+    be = selection.get(kernel_target)
     if not isinstance(be, KernelBackend):
-        pytest.skip(f"{device_target} has no call-site fast path (not a C-kernel backend)")
+        pytest.skip(f"{kernel_target} has no call-site fast path (not a C-kernel backend)")
     return be
 
 
-def test_repeated_positional_calls_compute_on_each_calls_operands(device_target: str) -> None:
+def test_repeated_positional_calls_compute_on_each_calls_operands(kernel_target: str) -> None:
     """A repeated positional pk.call is one lookup in Backend.call_site, keyed by the
     operands' metadata: it must launch on this call's arrays (and a fresh output), never on
     the arrays or output of the call that planned it."""
-    be = _warm_positional_backend(device_target)
+    be = _warm_positional_backend(kernel_target)
     rng = np.random.default_rng(11)
     hosts = [rng.standard_normal((4, 5)).astype(f32) for _ in range(3)]
     bs = [rng.standard_normal((5, 3)).astype(f32) for _ in range(3)]
@@ -346,10 +346,10 @@ def test_repeated_positional_calls_compute_on_each_calls_operands(device_target:
 
 
 @pytest.mark.parametrize("kind", ["column slice", "offset view"])
-def test_views_are_refused_on_the_call_site_fast_path(device_target: str, kind: str) -> None:
+def test_views_are_refused_on_the_call_site_fast_path(kernel_target: str, kind: str) -> None:
     """After valid positional calls of the same shape, a positional call with a view a
     kernel cannot index arrives on Backend.call_site: it must still be refused by name."""
-    be = _warm_positional_backend(device_target)
+    be = _warm_positional_backend(kernel_target)
     host = np.arange(64, dtype=f32).reshape(8, 8) / 9
     cut = (slice(None), slice(2, 6)) if kind == "column slice" else (slice(2, 6),)
     view = be.to_native(host)[cut]
@@ -360,17 +360,17 @@ def test_views_are_refused_on_the_call_site_fast_path(device_target: str, kind: 
     be.synchronize()
     flags = getattr(view, "flags", None)
     if flags is not None and flags.c_contiguous and not getattr(view, "offset", 0):
-        pytest.skip(f"a {kind} is a plain array on {device_target}")
+        pytest.skip(f"a {kind} is a plain array on {kernel_target}")
     with no_device_work(be), pytest.raises(pk.InvalidArgumentError) as info:
         pk.call("matmul", view, b, backend=be)
     check_refused(info.value, pk.InvalidArgumentError, ("'a'",))
 
 
-def test_call_site_fast_path_follows_a_new_tuning_generation(device_target: str) -> None:
+def test_call_site_fast_path_follows_a_new_tuning_generation(kernel_target: str) -> None:
     """Tuning bumps the generation; a planned call site from before must not be reused."""
     from portakern import tune
 
-    be = _warm_positional_backend(device_target)
+    be = _warm_positional_backend(kernel_target)
     a, b = be.to_native(A), be.to_native(B)
     for _ in range(2):
         pk.call("matmul", a, b, backend=be)
