@@ -92,6 +92,9 @@ MUTANTS = {
     "attention: the denominators' lane sum drops a lane": (
         "attention", "e[i] += e[i + w];", "e[i] += (w == 1) ? (PK_ACC_T)0 : e[i + w];",
         {"BK": 16, "VEC": 16}, "float32"),
+    "attention: the tile's causal test uses the block's last query, not its first": (
+        "attention", "(causal && k0 + BK - 1 > q0 + t0)",
+        "(causal && k0 + BK - 1 > q0 + t0 + TQ - 1)", {"BK": 16, "VEC": 16}, "float32"),
     "attention: a moved running max keeps the old scale": (
         "attention", "(mn == m[t0 + t]) ? (PK_ACC_T)1", "(mn != m[t0 + t]) ? (PK_ACC_T)1",
         {"BK": 16, "VEC": 16}, "float32"),

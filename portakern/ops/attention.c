@@ -205,23 +205,21 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 for (int c = 0; c < NAV; ++c) a[t][c] = acc[t0 + t][c];
             /* per query: new running max, one rescale of (l, acc), probabilities into pt[t] */
             PK_ACC_T pt[TQ][BK];
+            PK_ACC_T bmask[TQ]; /* masked tiles: each row's max over the keys it may attend */
             int on[TQ]; /* the query has a key to attend in this tile */
             int all_on = 1;
-            #pragma unroll
-            for (int t = 0; t < TQ; ++t) {
-                const int qi = q0 + t0 + t;
-                on[t] = 1;
-                PK_ACC_T mn;
-                if (!has_mask && k0 + BK <= Sk && (!causal || k0 + BK - 1 <= qi)) {
-                    /* nothing masked: the max stays in vectors */
-                    vt bmv = sv[t][0];
-                    #pragma unroll
-                    for (int c = 1; c < NSV; ++c) bmv = fmax(bmv, sv[t][c]);
-                    mn = fmax(at_lane_max(bmv), m[t0 + t]);
-                } else { /* a tile edge, the causal diagonal or a mask: key by key */
-                    const int mrow = b * ms0 + h * ms1 + min(qi, Sq - 1) * ms2;
+            /* A tile edge, the causal diagonal or a mask: key by key, through memory, in a loop
+             * of its own (rolled: one copy of this code, not TQ) before the unrolled one. The
+             * test uses the block's first query, the one the causal bound cuts most. */
+            const int masked = has_mask || k0 + BK > Sk || (causal && k0 + BK - 1 > q0 + t0);
+            if (masked) {
+                #pragma unroll
+                for (int t = 0; t < TQ; ++t)
                     #pragma unroll
                     for (int c = 0; c < NSV; ++c) PK_CAT(vstore, VEC)(sv[t][c], c, &pt[t][0]);
+                for (int t = 0; t < TQ; ++t) {
+                    const int qi = q0 + t0 + t;
+                    const int mrow = b * ms0 + h * ms1 + min(qi, Sq - 1) * ms2;
                     PK_ACC_T bm = -PK_INFINITY;
                     for (int j = 0; j < BK; ++j) {
                         const int kj = k0 + j;
@@ -231,14 +229,31 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                         pt[t][j] = sj;
                         bm = (sj > bm || sj != sj) ? sj : bm;
                     }
+                    bmask[t] = bm;
+                }
+                #pragma unroll
+                for (int t = 0; t < TQ; ++t)
+                    #pragma unroll
+                    for (int c = 0; c < NSV; ++c) sv[t][c] = PK_CAT(vload, VEC)(c, &pt[t][0]);
+            }
+            #pragma unroll
+            for (int t = 0; t < TQ; ++t) {
+                on[t] = 1;
+                PK_ACC_T mn;
+                if (!masked) {
+                    /* nothing masked: the max stays in vectors */
+                    vt bmv = sv[t][0];
+                    #pragma unroll
+                    for (int c = 1; c < NSV; ++c) bmv = fmax(bmv, sv[t][c]);
+                    mn = fmax(at_lane_max(bmv), m[t0 + t]);
+                } else {
+                    const PK_ACC_T bm = bmask[t];
                     if (bm == -PK_INFINITY) { /* nothing to attend: this row skips the tile */
                         on[t] = 0;
                         all_on = 0;
                         continue;
                     }
                     mn = (bm > m[t0 + t] || bm != bm) ? bm : m[t0 + t];
-                    #pragma unroll
-                    for (int c = 0; c < NSV; ++c) sv[t][c] = PK_CAT(vload, VEC)(c, &pt[t][0]);
                 }
                 /* the max seldom moves after the first tiles: no exp then */
                 const PK_ACC_T corr = (mn == m[t0 + t]) ? (PK_ACC_T)1 : exp(m[t0 + t] - mn);
