@@ -8,7 +8,8 @@
 # vm.max_map_count is reached, which once segfaulted a single long process.) Every backend is
 # still tested; each run prints its own summary of the backends it did NOT test and why.
 # The jax half is bound by XLA compilations (one per new shape, mostly on one thread), so it
-# runs on two pytest-xdist workers; the OpenCL half keeps one process (PoCL uses every core).
+# runs on two pytest-xdist workers (work stealing: a few long pallas cases would otherwise
+# leave one worker idle at the end); the OpenCL half keeps one process (PoCL uses every core).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
@@ -23,5 +24,5 @@ run() {
   [ "$rc" -eq 0 ] || status=$rc
 }
 run numpy,opencl,cuda "$@"
-PORTAKERN_TEST_TARGET_TESTS_ONLY=1 run jax -n 2 "$@"
+PORTAKERN_TEST_TARGET_TESTS_ONLY=1 run jax -n 2 --dist worksteal "$@"
 exit "$status"
