@@ -8,7 +8,10 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 need_apt=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 if command -v dpkg-query >/dev/null 2>&1; then
-  for p in pocl-opencl-icd ocl-icd-opencl-dev libclblast-dev; do
+  # pocl: the embedded OpenCL device; oclgrind: the GPU simulator (opencl:oclgrind);
+# hipcc + AMD device libs: the AMD compile check and static resource reports;
+# libclblast-dev: the CLBlast benchmark peer.
+for p in pocl-opencl-icd ocl-icd-opencl-dev libclblast-dev oclgrind hipcc libamdhip64-dev rocm-device-libs; do
     have_pkg "$p" || need_apt+=("$p")
   done
   command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
@@ -36,11 +39,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "pip install -e .[all] (first run downloads CuPy, JAX, PyOpenCL: a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   .venv/bin/python -m pip install -q -e '.[all]'
-  # CLBlast peer for the benchmark: builds against Debian's libclblast-dev; optional.
+  # CLBlast peer for the benchmark: pyclblast 1.4 builds with scikit-build-core against
+  # Debian's libclblast-dev, so it needs build isolation (its own build environment).
   if ! .venv/bin/python -c "import pyclblast" >/dev/null 2>&1; then
-    .venv/bin/python -m pip install -q cython >/dev/null 2>&1 || true
-    .venv/bin/python -m pip install -q --no-build-isolation pyclblast >/dev/null 2>&1 \
-      || log "pyclblast did not build: the CLBlast peer will be reported unavailable"
+    log "building pyclblast against libclblast-dev (about a minute)"
+    .venv/bin/python -m pip install -q pyclblast >/dev/null 2>&1 \
+      || log "pyclblast did not build: the CLBlast peer will be reported missing"
   fi
   echo "$want" > "$stamp"
 else
