@@ -401,6 +401,12 @@ class KernelBackend(Backend):
     def buffer_arg(self, x: Any) -> Any:
         raise NotImplementedError
 
+    def raw_launcher(self, kernel: Any, launch: Launch, args: list[Any]) -> Any:
+        """A zero-argument callable that enqueues ``kernel`` with ``args`` through the device
+        API itself, as a user of that API would (no lock, no checks): the baseline of the
+        dispatch benchmark (bench/dispatch.py). None: this backend has no raw API to offer."""
+        return None
+
     def declare_arguments(self, kernel: Any, template: Sequence[Any]) -> None:
         """Tell the device API the argument kinds of ``kernel`` once, when a plan is built
         (``template``: buffer names as str, scalars as numpy scalars), so the per-call argument

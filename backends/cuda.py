@@ -414,6 +414,14 @@ class CudaBackend(KernelBackend):
     def buffer_arg(self, x: Any) -> Any:
         return x
 
+    def raw_launcher(self, kernel: Any, launch: Launch, args: list[Any]) -> Any:
+        fn, grid, block, argv = kernel.fn, tuple(launch.groups), tuple(launch.local), tuple(args)
+
+        def launch_raw() -> None:  # the cupy Function call; the caller makes the device current
+            fn(grid, block, argv)
+
+        return launch_raw
+
     def enqueue(self, kernel: Any, launch: Launch, args: list[Any]) -> None:
         threads = launch.local[0] * launch.local[1] * launch.local[2]
         if kernel.max_threads and threads > kernel.max_threads:

@@ -299,6 +299,16 @@ class OpenCLBackend(KernelBackend):
                 kernel.set_arg_types(kinds)
                 kernel._portakern_arg_kinds = kinds
 
+    def raw_launcher(self, kernel: Any, launch: Launch, args: list[Any]) -> Any:
+        queue, gsize, local = self.queue, launch.global_size, launch.local
+        enqueue = cl.enqueue_nd_range_kernel
+
+        def launch_raw() -> None:  # kernel.set_args(*args); enqueue_nd_range_kernel(...)
+            kernel.set_args(*args)
+            enqueue(queue, kernel, gsize, local)
+
+        return launch_raw
+
     def enqueue(self, kernel: Any, launch: Launch, args: list[Any]) -> None:
         gsize = launch.global_size
         with self._lock:  # clSetKernelArg on a shared kernel object is not thread-safe
