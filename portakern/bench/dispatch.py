@@ -1,40 +1,49 @@
-"""Dispatch overhead: what ``portakern.call`` costs beyond enqueueing the same compiled kernel.
+"""Dispatch overhead: what the calls users write cost beyond enqueueing the same kernel.
 
-The performance target (issue "Performance"): a call on a tiny shape costs at most 10 µs more
-than enqueueing the same compiled kernel with raw PyOpenCL. On a tiny shape the kernel itself
-is negligible, so the difference is portakern's Python path: binding, (memoised) validation,
-backend resolution, the launch plan, argument packing and, without ``out=``, the output
-allocation.
+The target (DESIGN.md, "The Plan"): every entry point costs at most 5 µs over a raw enqueue
+of the same compiled kernel. On a tiny shape the kernel itself is negligible, so the
+difference is portakern's Python path: binding, (memoised) validation, backend resolution,
+the launch plan, argument packing and, without ``out=``, the output allocation.
 
-Three implementations on the same device-resident input (softmax, 4x8 float32 by default):
+Measured for the named entry points as users write them, on device-resident inputs, each with
+the backend picked from the inputs (no ``backend=``) when that picks the target measured:
 
-- ``call``: ``portakern.call("softmax", x, backend=be)``;
-- ``call_out``: the same with ``out=`` a preallocated array (no allocation);
-- ``raw``: the very kernel object portakern's launch plan holds (``be.plan(spec, prob)``, the
-  plan the call path memoises), launched by the device API directly: OpenCL
-  ``kernel.set_args(*args); pyopencl.enqueue_nd_range_kernel(queue, kernel, gsize, local)``,
-  CUDA the cupy ``Function`` call ``fn(grid, block, args)``. Its argument list is built once,
-  outside the timed region, from the plan's template, as a user of the raw API would.
+- ``pk.softmax``: ``pk.softmax(x)`` on a 4x8 float32 array;
+- ``pk.matmul``: ``pk.matmul(a, b)`` on 8x8 @ 8x8;
+- ``pk.attention``: ``pk.attention(q, k, v, causal=True)`` on B1 H1 S8 D16;
+
+and for each three implementations:
+
+- ``call``: the named call;
+- ``call_out``: the same writing into a preallocated ``out=`` (through the named function if
+  it takes ``out=``, else ``pk.call(op, ..., out=o)`` with the same keywords; ``what`` says
+  which);
+- ``raw``: the very kernel objects of the launch plan the call uses (``be.plan(spec, prob)``
+  on the memoised problem), launched through the device API by the backend's
+  ``raw_launcher`` hook (OpenCL ``kernel.set_args(*args); enqueue_nd_range_kernel``, CUDA the
+  cupy ``Function`` call), arguments and workspace built once outside the timed region, as a
+  user of the raw API would.
 
 A *block* times ``iterations`` back-to-back calls of one implementation followed by one
-``backend.synchronize()``, so the per-call time includes the device work (the same kernel for
-all three) and the synchronisation is amortised the same way for all three. Blocks are
+``backend.synchronize()``, so the per-call time includes the device work (the same kernels
+for all three) and the synchronisation is amortised the same way for all three. Blocks are
 interleaved round-robin over ``rounds`` rounds (rotating the order each round), and each
 implementation's per-call time is the median over its blocks. overhead = median(call) -
-median(raw) and median(call_out) - median(raw). The median of the per-round paired differences
-is recorded beside it (less sensitive to slow drifts of the machine).
+median(raw) and median(call_out) - median(raw). The median of the per-round paired
+differences is recorded beside it (less sensitive to slow drifts of the machine).
 
-One caveat is stated in the record: when the device is slower than the host at a tiny kernel,
-back-to-back enqueues overlap the kernel's execution and the queue, not the host, sets the
-pace, which hides host overhead; ``raw`` per call is then the device's rate.
+One caveat is stated in the record: when the device is slower than the host at a tiny
+kernel, back-to-back enqueues overlap the kernel's execution and the queue, not the host,
+sets the pace, which hides host overhead; ``raw`` per call is then the device's rate.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,34 +52,65 @@ from ..backends.base import Backend, KernelBackend
 from .timing import Clock, summarize
 
 VARIANTS = ("call", "call_out", "raw")
-TARGET_US = 10.0  # the issue's bound on what a call may add over the raw enqueue
+TARGET_US = 5.0  # DESIGN.md: every entry point within 5 µs of a raw enqueue
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry point as users write it: the named function, its operands and keywords."""
+
+    name: str  # "pk.softmax": the key in the result file
+    op: str
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def text(self) -> str:
+        args = ", ".join(n for n, _ in self.shapes)
+        kw = "".join(f", {k}={v!r}" for k, v in self.kwargs)
+        return f"{self.name}({args}{kw})"
+
+    @property
+    def shape_text(self) -> str:
+        return " ".join(f"{n} {'x'.join(map(str, s))}" for n, s in self.shapes)
+
+
+ENTRIES = (
+    Entry("pk.softmax", "softmax", (("x", (4, 8)),)),
+    Entry("pk.matmul", "matmul", (("a", (8, 8)), ("b", (8, 8)))),
+    Entry("pk.attention", "attention",
+          (("q", (1, 1, 8, 16)), ("k", (1, 1, 8, 16)), ("v", (1, 1, 8, 16))),
+          (("causal", True),)),
+)
 
 
 @dataclass(frozen=True)
 class DispatchConfig:
-    """What the dispatch measurement runs: op, tiny shape, and how many calls per block."""
+    """What the dispatch measurement runs: the entry points, and how many calls per block."""
 
-    op: str = "softmax"
-    shape: tuple[int, ...] = (4, 8)
+    entries: tuple[Entry, ...] = field(default=ENTRIES)
     dtype: str = "float32"
     iterations: int = 200  # calls per timed block (then one synchronize)
     rounds: int = 15  # blocks per implementation, interleaved
     warmup: int = 50  # untimed calls per implementation before the first round
 
     def __post_init__(self) -> None:
-        if self.iterations < 1 or self.rounds < 1 or self.warmup < 0:
+        if self.iterations < 1 or self.rounds < 1 or self.warmup < 0 or not self.entries:
             raise ValueError(f"invalid DispatchConfig: iterations={self.iterations}, rounds="
-                             f"{self.rounds}, warmup={self.warmup}; expected iterations >= 1, "
-                             "rounds >= 1, warmup >= 0.")
+                             f"{self.rounds}, warmup={self.warmup}, {len(self.entries)} "
+                             "entries; expected iterations >= 1, rounds >= 1, warmup >= 0 "
+                             "and at least one entry.")
 
     @property
     def shape_text(self) -> str:
-        return "x".join(map(str, self.shape)) + f" {self.dtype}"
+        return ", ".join(e.name for e in self.entries) + f" {self.dtype}"
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        return d
+        return {"entries": [{"name": e.name, "op": e.op, "call": e.text,
+                             "shapes": {n: list(s) for n, s in e.shapes},
+                             "kwargs": dict(e.kwargs)} for e in self.entries],
+                "dtype": self.dtype, "iterations": self.iterations, "rounds": self.rounds,
+                "warmup": self.warmup}
 
 
 def summarize_dispatch(per_call_s: Mapping[str, Sequence[float]],
@@ -102,87 +142,92 @@ def summarize_dispatch(per_call_s: Mapping[str, Sequence[float]],
             "meets_target": {v: bool(overhead[v] <= target_us) for v in overhead}}
 
 
-def _raw_launcher(be: Backend, plan: Sequence[tuple[Any, Any, list[Any]]],
-                  bufs: Mapping[str, Any]) -> tuple[Callable[[], None], str] | None:
-    """(fn, what) enqueueing the plan's compiled kernels through the device API itself;
-    None when ``be`` has no raw API this module knows."""
+def _raw_launcher(be: KernelBackend, plan: Any, bufs: Mapping[str, Any]
+                  ) -> Callable[[], None] | None:
+    """One callable enqueueing the plan's compiled kernels through the backend's
+    ``raw_launcher`` hook (the device API, no portakern code per call); None when the backend
+    offers none."""
     bufs = dict(bufs)
     for name, (n, dt) in getattr(plan, "workspace", {}).items():  # made once, like the args
-        bufs[name] = be.empty((n,), dt)  # type: ignore[attr-defined]
-    items = []
+        bufs[name] = be.empty((n,), dt)
+    launches = []
     for kernel, launch, template in plan:
         args = [be.buffer_arg(bufs[a]) if isinstance(a, str) else a for a in template]
-        items.append((kernel, launch, args))
-    if be.name == "opencl":
-        import pyopencl as cl
+        fn = be.raw_launcher(kernel, launch, args)
+        if fn is None:
+            return None
+        launches.append(fn)
+    if len(launches) == 1:
+        return launches[0]
+    seq = tuple(launches)
 
-        queue = be.queue  # type: ignore[attr-defined]
-        prepared = [(k, tuple(g * lo for g, lo in zip(la.groups, la.local, strict=True)),
-                     tuple(la.local), a) for k, la, a in items]
-        enqueue = cl.enqueue_nd_range_kernel
+    def run_all() -> None:
+        for f in seq:
+            f()
 
-        def fn() -> None:
-            for kernel, gsize, local, args in prepared:
-                kernel.set_args(*args)
-                enqueue(queue, kernel, gsize, local)
-
-        return fn, ("kernel.set_args(*args); pyopencl.enqueue_nd_range_kernel(queue, kernel, "
-                    "global, local) with the compiled kernel object of portakern's launch plan "
-                    "(arguments built once, outside the timed region)")
-    if be.name == "cuda":
-        launches = [(k.fn, tuple(la.groups), tuple(la.local), tuple(a)) for k, la, a in items]
-
-        def fn() -> None:
-            for f, grid, block, args in launches:
-                f(grid, block, args)
-
-        return fn, ("cupy Function call fn(grid, block, args) on the compiled kernel of "
-                    "portakern's launch plan (arguments built once, outside the timed region; "
-                    "the device made current once per block)")
-    return None
+    return run_all
 
 
 def not_applicable(be: Backend, why: str) -> dict[str, Any]:
     return {"status": "not_applicable", "reason": why, "target": be.label}
 
 
-def measure_dispatch(be: Backend, cfg: DispatchConfig | None = None, *,
-                     clock: Clock = time.perf_counter) -> dict[str, Any]:
-    """Time ``call``, ``call_out`` and ``raw`` on ``be`` (see the module docstring)."""
+def _named(entry: Entry) -> Callable[..., Any]:
+    import portakern
+
+    return getattr(portakern, entry.name.split(".", 1)[1])
+
+
+def _ok_error(got: np.ndarray, ref: np.ndarray) -> tuple[float, bool]:
+    err = float(np.max(np.abs(got.astype(np.float64) - ref))) if ref.size else 0.0
+    scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+    return err, math.isfinite(err) and err <= 1e-5 * max(1.0, scale)
+
+
+def measure_entry(be: KernelBackend, entry: Entry, cfg: DispatchConfig, *,
+                  clock: Clock = time.perf_counter) -> dict[str, Any]:
+    """Time ``call``, ``call_out`` and ``raw`` of one entry point on ``be``."""
+    from .. import dtypes, selection
     from ..api import _problem, call
     from ..ops import get_op
 
-    cfg = cfg or DispatchConfig()
-    if not isinstance(be, KernelBackend):
-        return not_applicable(be, f"{be.name} does not launch compiled C kernels, so there is "
-                              "no raw enqueue to compare with (measured on OpenCL and CUDA)")
-    if cfg.dtype not in be.supported_dtypes():
-        return not_applicable(be, f"{be.describe()} does not support {cfg.dtype}")
-    spec = get_op(cfg.op)
-    from .. import dtypes
-
-    host = np.random.default_rng(0).standard_normal(cfg.shape).astype(
-        dtypes.info(cfg.dtype).storage)
-    x = be.to_native(host)
-    out = be.empty(tuple(host.shape), cfg.dtype)
-    arrays, params = spec.bind([x], {})
-    prob = _problem(spec, arrays, params)  # the memoised Problem pk.call itself uses
-    plan = be.plan(spec, prob, None)  # compiles (untimed) and is the plan pk.call launches
-    got = _raw_launcher(be, plan, {"x": x, "out": out})
-    if got is None:
-        return not_applicable(be, f"no raw enqueue recipe for {be.name} (OpenCL and CUDA only)")
-    raw, raw_what = got
-    device_ctx: Any = None
-    if be.name == "cuda":
-        import cupy
-
-        device_ctx = cupy.cuda.Device(be.device.index)
+    spec = get_op(entry.op)
+    rng = np.random.default_rng(0)
+    st = dtypes.info(cfg.dtype).storage
+    host = {n: rng.standard_normal(s).astype(st) for n, s in entry.shapes}
+    dev = {n: be.to_native(x) for n, x in host.items()}
+    kwargs = dict(entry.kwargs)
+    operands = [dev[n] for n, _ in entry.shapes]
+    arrays, params = spec.bind(operands, kwargs)
+    prob = _problem(spec, arrays, params)  # the memoised Problem the call itself uses
+    plan = be.plan(spec, prob, None)  # compiles (untimed) and is the plan the call launches
+    out = be.empty(tuple(prob.out_shape), cfg.dtype)
+    raw = _raw_launcher(be, plan, {**dev, "out": out})
+    if raw is None:
+        return not_applicable(be, f"{be.name} offers no raw_launcher (the device API's own "
+                              "enqueue) to compare with")
+    named = _named(entry)
+    # the calls name no backend, as users write them: the inputs pick it where that gives this
+    # very instance, else ``with pk.use(target):`` around the whole measurement does
+    try:
+        auto = selection.resolve(None, operands) is be
+    except Exception:
+        auto = False
+    how = ("the backend picked from the inputs" if auto else
+           f"inside `with pk.use({be.label!r})` (the inputs alone pick another instance)")
+    if "out" in inspect.signature(named).parameters:
+        def f_call_out() -> None:
+            named(*operands, **kwargs, out=out)
+        out_what = f"{entry.name}(..., out=o)"
+    else:
+        def f_call_out() -> None:
+            call(entry.op, *operands, **kwargs, out=out)
+        out_what = (f"pk.call({entry.op!r}, {', '.join(n for n, _ in entry.shapes)}"
+                    + "".join(f", {k}={v!r}" for k, v in kwargs.items())
+                    + f", out=o) ({entry.name} takes no out=)")
 
     def f_call() -> None:
-        call(cfg.op, x, backend=be)
-
-    def f_call_out() -> None:
-        call(cfg.op, x, backend=be, out=out)
+        named(*operands, **kwargs)
 
     fns: dict[str, Callable[[], None]] = {"call": f_call, "call_out": f_call_out, "raw": raw}
     sync = be.synchronize
@@ -195,10 +240,16 @@ def measure_dispatch(be: Backend, cfg: DispatchConfig | None = None, *,
         sync()
         return (clock() - t0) / iters
 
-    # the raw launch really computes the op: its output matches the semantics (untimed)
-    ref = np.asarray(spec.semantics(np, host.astype(np.float64), **prob.params))
-    if device_ctx is not None:
-        device_ctx.__enter__()
+    ref = np.asarray(spec.semantics(np, *[host[n].astype(np.float64) for n, _ in entry.shapes],
+                                    **prob.params))
+    # a backend with a current-device notion (CUDA's cupy Device) is made current once per
+    # measurement, not per raw launch, as a raw user would
+    ctx = getattr(be, "_cp_device", None)
+    if ctx is not None:
+        ctx.__enter__()
+    chosen = None if auto else selection.use(be)
+    if chosen is not None:
+        chosen.__enter__()
     try:
         for v in VARIANTS:
             for _ in range(cfg.warmup):
@@ -206,26 +257,30 @@ def measure_dispatch(be: Backend, cfg: DispatchConfig | None = None, *,
             sync()
         raw()
         sync()
-        err = float(np.max(np.abs(be.to_numpy(out).astype(np.float64) - ref)))
+        err, ok = _ok_error(be.to_numpy(out), ref)
         per_call: dict[str, list[float]] = {v: [] for v in VARIANTS}
         for r in range(cfg.rounds):
             k = r % len(VARIANTS)
             for v in VARIANTS[k:] + VARIANTS[:k]:
                 per_call[v].append(block(fns[v]))
     finally:
-        if device_ctx is not None:
-            device_ctx.__exit__(None, None, None)
-    rec: dict[str, Any] = {"status": "ok", "target": be.label, "op": cfg.op,
-                           "shape": list(cfg.shape), "dtype": cfg.dtype,
+        if chosen is not None:
+            chosen.__exit__(None, None, None)
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    rec: dict[str, Any] = {"status": "ok", "target": be.label, "entry": entry.name,
+                           "op": entry.op, "call": entry.text, "shapes": {
+                               n: list(s) for n, s in entry.shapes}, "dtype": cfg.dtype,
                            "iterations": iters, "rounds": cfg.rounds}
     rec.update(summarize_dispatch(per_call))
     rec["what"] = {
-        "call": f"portakern.call({cfg.op!r}, x, backend=be) on a device-resident "
-                f"{cfg.shape_text} array: binding, memoised validation, backend resolution, "
-                "launch plan, output allocation and enqueue",
-        "call_out": f"portakern.call({cfg.op!r}, x, backend=be, out=o) with o preallocated: "
-                    "the same without the output allocation",
-        "raw": raw_what,
+        "call": f"{entry.text} on device-resident {entry.shape_text} {cfg.dtype} arrays, "
+                f"{how}: binding, memoised validation, backend resolution, launch plan, "
+                "output allocation and enqueue",
+        "call_out": out_what + ": the same without the output allocation",
+        "raw": "the backend's raw_launcher: the device API's own enqueue of the compiled "
+               "kernels of the call's launch plan (arguments and workspace built once, "
+               "outside the timed region)",
         "timing": f"per call = (time of {iters} back-to-back calls + one "
                   f"backend.synchronize()) / {iters}; median over {cfg.rounds} "
                   "interleaved rounds, the order rotated each round",
@@ -234,9 +289,40 @@ def measure_dispatch(be: Backend, cfg: DispatchConfig | None = None, *,
                   "of the host overhead is hidden (raw per call is then the device's rate)"}
     kernels = [{"kernel": la.kernel, "groups": list(la.groups), "local": list(la.local)}
                for _, la, _ in plan]
-    rec["info"] = {"kernels": kernels, "raw_max_abs_error": err}
-    if not (math.isfinite(err) and err < 1e-5):  # then "raw" did not time the op's kernel
+    rec["info"] = {"kernels": kernels, "raw_max_abs_error": err, "backend_from_inputs": auto}
+    if not ok:  # then "raw" did not time the op's kernel
         rec["status"] = "error"
         rec["reason"] = (f"the raw enqueue's output differs from the op's semantics (max abs "
                          f"error {err:.3g}); its time would not be the kernel's")
     return rec
+
+
+def measure_dispatch(be: Backend, cfg: DispatchConfig | None = None, *,
+                     clock: Clock = time.perf_counter) -> dict[str, Any]:
+    """``{entry name: record}`` for every entry point of ``cfg`` on ``be``, or one
+    ``not_applicable`` record when ``be`` launches no compiled kernels."""
+    cfg = cfg or DispatchConfig()
+    if not isinstance(be, KernelBackend):
+        return not_applicable(be, f"{be.name} does not launch compiled C kernels, so there is "
+                              "no raw enqueue to compare with (measured on OpenCL and CUDA)")
+    if cfg.dtype not in be.supported_dtypes():
+        return not_applicable(be, f"{be.describe()} does not support {cfg.dtype}")
+    out: dict[str, Any] = {}
+    for entry in cfg.entries:
+        try:
+            out[entry.name] = measure_entry(be, entry, cfg, clock=clock)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            out[entry.name] = {"status": "error", "target": be.label, "entry": entry.name,
+                               "reason": f"{type(exc).__name__}: {str(exc)[:800]}"}
+    return out
+
+
+def entries_of(rec: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """A target's dispatch record as {entry name: record}; a target-level status record (not
+    applicable, error) and files written before the named entries (one ``pk.call`` softmax
+    record) come back as one entry."""
+    if "status" in rec:
+        return {str(rec.get("entry") or "all entry points"): rec}
+    return {k: v for k, v in rec.items() if isinstance(v, Mapping)}

@@ -13,8 +13,13 @@ the ops this process knows, with where their semantics are defined); then for ea
 (suites.make_inputs: the same arrays the other implementations get), times the numpy
 expression and prints ``{"kind": "result", "measurement": ...}``. EOF ends it.
 
+The same process serves the PyTorch CPU peer (``"peer": "torch"`` in the request:
+torch.matmul, torch.softmax, the fused scaled_dot_product_attention, the RMSNorm expression,
+on tensors sharing the numpy inputs' memory), with torch's intra-op threads set to its cores
+and the SDPA kernel that ran recorded from torch's profiler.
+
 The numpy expression is hand-written for matmul, softmax and attention (what a numpy user
-writes: BLAS matmul, an in-place softmax); any other op is timed as its own
+writes: BLAS matmul, a softmax subtracting the max once); any other op is timed as its own
 ``spec.semantics(numpy, ...)`` (semantics_peer.py). This process sees the built-in ops and the
 ``portakern.ops`` entry-point plugins; an op registered in the parent's code is not here, and
 the parent runs its numpy peer itself (peers.py says so in the record).
@@ -69,8 +74,11 @@ def build(case: dict[str, Any], x: dict[str, np.ndarray]) -> Callable[[], object
     if op == "softmax":
         xs = x["x"]
 
-        def softmax() -> np.ndarray:
-            return _softmax_inplace(xs - xs.max(axis=-1, keepdims=True))
+        def softmax() -> np.ndarray:  # the max is subtracted once, into the new array
+            s = np.subtract(xs, xs.max(axis=-1, keepdims=True))
+            np.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+            return s
 
         return softmax
     if op == "attention":
@@ -98,6 +106,105 @@ def build(case: dict[str, Any], x: dict[str, np.ndarray]) -> Callable[[], object
         return attention
     raise ValueError(f"numpy peer: no expression for op {op!r}; expected matmul, softmax or "
                      "attention. Add one to portakern/bench/numpy_worker.py.")
+
+
+TORCH_OPS = ("matmul", "softmax", "attention", "rmsnorm")
+TORCH_WHAT = {
+    "matmul": "torch.matmul(a, b) on CPU tensors sharing the numpy inputs' memory",
+    "softmax": "torch.softmax(x, dim=-1)",
+    "attention": "torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=..., "
+                 "scale=..., enable_gqa=Hq != Hkv): torch's fused CPU SDPA where it applies",
+    "rmsnorm": "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight (the LLaMA "
+               "RMSNorm module's expression; torch 2.13's F.rms_norm took ~30 ms for 64x4096 "
+               "here, 100x slower, so it would flatter us)",
+}
+_TORCH: dict[str, Any] = {}
+
+
+def torch_setup() -> tuple[Any, dict[str, Any]]:
+    """Import torch once, with as many intra-op threads as this process may use cores (the
+    machine's, unless an affinity mask says fewer); return (torch, what to record)."""
+    if "torch" not in _TORCH:
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        torch.set_num_threads(cores)
+        info = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                "cores": cores, "interop_threads": torch.get_num_interop_threads(),
+                "mkldnn": bool(torch.backends.mkldnn.is_available()),
+                "mkl": bool(torch.backends.mkl.is_available()),
+                "cpu_capability": _torch_capability(torch)}
+        _TORCH["torch"], _TORCH["info"] = torch, info
+    return _TORCH["torch"], dict(_TORCH["info"])
+
+
+def _torch_capability(torch: Any) -> str | None:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:
+        return None
+
+
+def sdpa_kernels(torch: Any, fn: Callable[[], object]) -> list[str]:
+    """The aten attention kernels one call of ``fn`` ran (torch.profiler, CPU activities):
+    ``aten::_scaled_dot_product_flash_attention_for_cpu`` is the fused flash kernel,
+    ``aten::_scaled_dot_product_attention_math`` the unfused fallback."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.stderr.flush()
+    saved = os.dup(2)  # the profiler's C++ side logs start/stop lines to fd 2: keep them out
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    names = {e.key for e in prof.key_averages()}
+    return sorted(n for n in names
+                  if "attention" in n and n != "aten::scaled_dot_product_attention")
+
+
+def build_torch(case: Any, x: dict[str, np.ndarray | None]) -> tuple[Callable[[], object],
+                                                                    dict[str, Any]]:
+    """(callable, info) of the PyTorch CPU expression of a case (what a torch user writes)."""
+    torch, info = torch_setup()
+    F = torch.nn.functional
+    t = {k: torch.from_numpy(v) for k, v in x.items() if v is not None}
+    op, params = case.op, case.params or {}
+    if op == "matmul":
+        a, b = t["a"], t["b"]
+
+        def fn() -> object:
+            return torch.matmul(a, b)
+    elif op == "softmax":
+        xs = t["x"]
+
+        def fn() -> object:
+            return torch.softmax(xs, dim=-1)
+    elif op == "attention":
+        q, k, v = t["q"], t["k"], t["v"]
+        D = q.shape[-1]
+        scale = float(params.get("scale") or (1.0 / math.sqrt(D)))
+        causal, gqa = bool(params.get("causal")), q.shape[1] != k.shape[1]
+
+        def fn() -> object:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                  enable_gqa=gqa)
+        info["sdpa_kernels"] = sdpa_kernels(torch, fn)
+        info["enable_gqa"] = gqa
+    elif op == "rmsnorm":
+        xs, w = t["x"], t["weight"]
+        eps = float(params.get("eps", 1e-6))
+
+        def fn() -> object:
+            return xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps) * w
+    else:
+        raise ValueError(f"torch peer: no expression for op {op!r}; expected one of "
+                         f"{', '.join(TORCH_OPS)}.")
+    return fn, info
 
 
 def known_ops() -> dict[str, str]:
@@ -128,6 +235,24 @@ def handle(req: dict[str, Any]) -> dict[str, Any]:
     from .timing import TimingConfig, measure, not_run
 
     case = Case.from_dict(req["case"])
+    if req.get("peer") == "torch":
+        what = TORCH_WHAT.get(case.op, case.op)
+        if case.op not in TORCH_OPS:
+            m = not_run("not_applicable", f"no torch expression for {case.op}", what)
+            return {"kind": "result", "measurement": m.as_dict()}
+        if case.dtype not in ("float32", "float64", "bfloat16"):
+            m = not_run("unavailable", f"torch's CPU kernels for {case.dtype} are not its fast "
+                        "path (no fp16 GEMM/SDPA worth comparing on x86)", what)
+            return {"kind": "result", "measurement": m.as_dict()}
+        x = make_inputs(case)
+        if case.dtype == "bfloat16":  # ml_dtypes' bfloat16 has no torch view: as float32
+            x = {k: (None if v is None else v.astype(np.float32)) for k, v in x.items()}
+            what += " (bfloat16 inputs upcast to float32: no zero-copy bfloat16 view)"
+        fn, info = build_torch(case, x)
+        m = measure(fn, lambda: None, TimingConfig(**req["timing"]),
+                    what=what + f", {info['threads']} intra-op threads")
+        m.info.update(info)
+        return {"kind": "result", "measurement": m.as_dict()}
     if not has_handwritten_peers(case.op):
         fn, text = semantics_peer(case, make_inputs(case))
         with np.errstate(all="ignore"):

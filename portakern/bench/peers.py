@@ -5,6 +5,8 @@ run, on inputs already resident where it computes (uploads are never timed):
 
 - numpy  — numpy/OpenBLAS (or whatever BLAS numpy loaded) on a CPU target, in a subprocess
   started without OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE (see numpy_worker.py);
+- torch  — PyTorch's CPU kernels (oneDNN/MKL matmul, the fused flash-attention SDPA,
+  softmax, rms_norm) on a CPU target, in that same subprocess, threads = the cores;
 - xla    — jax.jit of the plain jnp expression (precision HIGHEST, so fp32 is not TF32 on
   GPUs) on the jax device of the same kind;
 - clblast — CLBlast's GEMM through pyclblast on the OpenCL target's own context and queue;
@@ -25,6 +27,7 @@ does not support) instead of being silently left out.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -38,17 +41,55 @@ import numpy as np
 from ..backends.base import Backend
 from ..ops import get_op
 from . import semantics_peer
+from .numpy_worker import TORCH_OPS
 from .semantics_peer import has_handwritten_peers
 from .suites import Case, operand_names
 from .timing import Measurement, TimingConfig, measure, not_run
 
-PEER_KEYS = ("numpy", "xla", "clblast", "cublas", "cupy", "cudnn")
-PEER_NAMES = {"numpy": "numpy/BLAS", "xla": "XLA (jax.jit)", "clblast": "CLBlast (pyclblast)",
+PEER_KEYS = ("numpy", "torch", "xla", "clblast", "cublas", "cupy", "cudnn")
+PEER_NAMES = {"numpy": "numpy/BLAS", "torch": "PyTorch (CPU)", "xla": "XLA (jax.jit)",
+              "clblast": "CLBlast (pyclblast)",
               "cublas": "cuBLAS (cupy.matmul)", "cupy": "cupy (elementwise)",
               "cudnn": "cuDNN attention (jax)"}
 SEMANTICS_NAMES = {"numpy": "numpy (spec semantics)", "xla": "XLA (spec semantics)",
                    "cupy": "cupy (spec semantics)"}
 UNSET_FOR_NUMPY = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+# how to get each peer's library (the README promises them; a missing one is warned about)
+INSTALL_HINT = {
+    "numpy": "pip install threadpoolctl (numpy's BLAS and threads are recorded through it)",
+    "torch": "pip install -e '.[peers]' (torch==2.13.0+cpu, the CPU wheel)",
+    "xla": "pip install -e '.[jax]'",
+    "clblast": "apt-get install libclblast-dev && pip install pyclblast (with build "
+               "isolation: it builds with scikit-build-core)",
+    "cublas": "pip install -e '.[cuda]'", "cupy": "pip install -e '.[cuda]'",
+    "cudnn": "pip install 'jax[cuda12]'",
+}
+# the Python module each peer needs
+PEER_MODULE = {"numpy": "threadpoolctl", "torch": "torch", "xla": "jax",
+               "clblast": "pyclblast", "cublas": "cupy", "cupy": "cupy", "cudnn": "jax"}
+
+
+def missing_promised(targets: Any, wanted: tuple[str, ...] = PEER_KEYS) -> dict[str, str]:
+    """Peers the README promises for these targets' devices whose library is not installed:
+    peer -> why and how to fix. A run prints them at the top of its output and its report,
+    not only in a table cell (issue 18: a fresh machine silently lacked CLBlast)."""
+    need: set[str] = set()
+    for be in targets:
+        for op in ("matmul", "softmax", "attention"):
+            need.update(applicable(op, be))
+    out: dict[str, str] = {}
+    for key in PEER_KEYS:
+        if key not in need or key not in wanted or key == "cudnn":
+            continue  # cuDNN needs an NVIDIA jax: judged per case, where it says why
+        mod = PEER_MODULE[key]
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out[key] = f"{PEER_NAMES[key]}: Python module {mod!r} is not installed; fix: " \
+                       + INSTALL_HINT[key]
+    return out
 
 
 def peer_name(key: str, op: str) -> str:
@@ -65,12 +106,16 @@ def applicable(op: str, be: Backend) -> list[str]:
     if not has_handwritten_peers(op):  # its semantics on numpy / XLA / cupy
         if be.device.kind == "cpu":
             keys.append("numpy")
+            if op in TORCH_OPS:
+                keys.append("torch")
         keys.append("xla")
         if be.device.kind == "gpu":
             keys.append("cupy")
         return keys
     if be.device.kind == "cpu":
         keys.append("numpy")
+        if op in TORCH_OPS:
+            keys.append("torch")
     keys.append("xla")
     if op == "matmul" and be.name == "opencl":
         keys.append("clblast")
@@ -126,16 +171,20 @@ class NumpyWorker:
         return isinstance(theirs, dict) and theirs.get(op) == semantics_peer.identity(
             get_op(op))
 
-    def run(self, case: Case, timing: TimingConfig) -> Measurement:
+    def run(self, case: Case, timing: TimingConfig, peer: str = "numpy") -> Measurement:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"case": case.as_dict(),
-                                          "timing": timing.as_dict()}) + "\n")
+        self.proc.stdin.write(json.dumps({"case": case.as_dict(), "timing": timing.as_dict(),
+                                          "peer": peer}) + "\n")
         self.proc.stdin.flush()
         reply = self._read()
         if reply.get("kind") == "error":
             return not_run("error", reply.get("error", "unknown error"))
         m = Measurement.from_dict(reply["measurement"])
-        m.info.update(self.info)
+        if peer == "numpy":
+            m.info.update(self.info)
+        else:
+            m.info.update(process="the numpy peer process (started without "
+                          "OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE)", pid=self.hello.get("pid"))
         return m
 
     def close(self) -> None:
@@ -456,6 +505,19 @@ class Peers:
                 except (RuntimeError, BrokenPipeError, OSError) as exc:
                     self._numpy = None  # restart it for the next case
                     return not_run("error", f"numpy peer process: {exc}")
+            if key == "torch":
+                if importlib.util.find_spec("torch") is None:
+                    return not_run("unavailable", "torch is not installed: "
+                                   + INSTALL_HINT["torch"])
+                w = self.numpy_worker()
+                if w is None:
+                    return not_run("error", f"the peer process failed to start: "
+                                   f"{self._numpy_error}")
+                try:
+                    return w.run(case, timing, peer="torch")
+                except (RuntimeError, BrokenPipeError, OSError) as exc:
+                    self._numpy = None
+                    return not_run("error", f"peer process: {exc}")
             if key == "xla":
                 return run_xla(be, case, host, timing)
             if key == "clblast":

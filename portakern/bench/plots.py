@@ -1,36 +1,46 @@
 """PNG plots (matplotlib's Agg canvas, no display and no pyplot global state).
 
-Run plots, one per op and dtype: throughput against problem size for each target — our
-kernel (solid), each native peer (dashed), the unfused chain (dotted) and the roofline bound
-from our probes (thin grey-ish line in the target's colour). Throughput is GFLOP/s for
-matmul/attention and GB/s for softmax (memory-bound: bytes are its natural unit); both come
-from the op's cost model, so every line of a plot divides the same work by its own time.
+Per op and dtype, ``<op>_<dtype>.png``: one panel per device, grouped bars per case, in the
+op's throughput unit (GFLOP/s; GB/s for memory-bound ops such as softmax and rmsnorm, whose
+cost model gives under 2 FLOP per byte). In each group: portakern's best target on that
+device first (the target is written under the bar), then the unfused chain (attention), then
+each peer, at most ``MAX_SERIES`` bars (the slowest peers are dropped and named in the
+panel's title when there are more). Every bar carries its % of the roof; ours also its
+application efficiency (best peer time / our time, "1.3×"). The roof of the case on that
+device is a black mark across its group. Other portakern targets on the same device are
+compared in the tables (REPORT.md), not here: one bar per implementation keeps a panel
+readable.
 
-Report plots, one per op and dtype: efficiency (peer time / our time) per platform against
-size, with PP across platforms.
+``fleet_<dtype>.png``: efficiency per device (rows) per case (columns) as a heatmap, colour on
+a log scale centred on parity (green: faster than the best peer, red: slower), each cell
+annotated with the efficiency, the best target and its % of roof.
+
+``bench`` writes both for its run; ``report`` for the merged fleet.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 UNIT = {"softmax": "GB/s", "matmul": "GFLOP/s", "attention": "GFLOP/s"}
 MEMORY_BOUND_INTENSITY = 2.0  # FLOP/byte: below this an op is plotted in GB/s
-# (line style, marker) per implementation, so peers of one target (one colour) stay apart
-STYLE = {"ours": ("-", "o"), "unfused": (":", "s"), "numpy": ("--", "^"), "xla": ("-.", "v"),
-         "clblast": ((0, (3, 1, 1, 1)), "D"), "cublas": ("--", "P"), "cupy": ("-.", "X"),
-         "cudnn": ((0, (1, 1)), "*")}
+MAX_SERIES = 6  # bars per case group
+COLOURS = {"ours": "#1f77b4", "unfused": "#aec7e8", "numpy": "#ff7f0e", "torch": "#d62728",
+           "xla": "#2ca02c", "clblast": "#9467bd", "cublas": "#8c564b", "cupy": "#e377c2",
+           "cudnn": "#7f7f7f"}
 
 
-def _figure() -> tuple[Any, Any]:
+def _figure(nrows: int, width: float = 12.0, height: float = 4.2) -> tuple[Any, list[Any]]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 6), dpi=100)
+    fig = Figure(figsize=(width, height * nrows + 0.6), dpi=100)
     FigureCanvasAgg(fig)
-    return fig, fig.add_subplot(1, 1, 1)
+    axes = [fig.add_subplot(nrows, 1, i + 1) for i in range(nrows)]
+    return fig, axes
 
 
 def unit_for(op: str, recs: Sequence[Mapping[str, Any]] = ()) -> str:
@@ -50,7 +60,18 @@ def _rate(unit: str, rec: Mapping[str, Any], seconds: float | None) -> float | N
     return (c["bytes"] if unit == "GB/s" else c["flops"]) / seconds / 1e9
 
 
-def _ordered_labels(recs: Sequence[Mapping[str, Any]]) -> list[str]:
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+
+
+def _ok_time(m: Mapping[str, Any] | None) -> float | None:
+    if not m or m.get("status") != "ok":
+        return None
+    t = m.get("median_s")
+    return float(t) if t and t > 0 else None
+
+
+def _labels(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     seen: dict[str, float] = {}
     for r in recs:
         seen[r["label"]] = max(seen.get(r["label"], 0.0),
@@ -58,110 +79,246 @@ def _ordered_labels(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     return sorted(seen, key=lambda k: (seen[k], k))
 
 
-def _safe(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+def _best_record(recs: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The record of the best portakern target among one case's records on one device:
+    highest efficiency, else fastest."""
+    ran = [r for r in recs if _ok_time(r.get("ours"))]
+    if not ran:
+        return None
+    with_eff = [r for r in ran if r.get("efficiency") is not None]
+    if with_eff:
+        return max(with_eff, key=lambda r: float(r["efficiency"]))
+    return min(ran, key=lambda r: _ok_time(r.get("ours")) or math.inf)
 
 
-def plot_run(result: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
-    """One PNG per (op, dtype) of a run; returns the paths written."""
+def _panel_data(recs: Sequence[Mapping[str, Any]], unit: str
+                ) -> tuple[list[str], dict[str, dict[str, Any]], dict[str, str], list[str]]:
+    """Per case label: {series key: {"rate", "pct", "eff", "target"}}, series names, dropped."""
+    labels = _labels(recs)
+    by_label: dict[str, list[Mapping[str, Any]]] = {}
+    for r in recs:
+        by_label.setdefault(r["label"], []).append(r)
+    data: dict[str, dict[str, Any]] = {}
+    names: dict[str, str] = {"ours": "portakern (best target)", "unfused": "portakern unfused"}
+    peer_total: dict[str, float] = {}
+    for lab in labels:
+        group = by_label[lab]
+        best = _best_record(group)
+        cell: dict[str, Any] = {"roof": None}
+        ref = best or group[0]
+        bound = (ref.get("roofline") or {}).get("bound_s")
+        cell["roof"] = _rate(unit, ref, bound)
+        if best is not None:
+            t = _ok_time(best.get("ours"))
+            cell["ours"] = {"rate": _rate(unit, best, t), "eff": best.get("efficiency"),
+                            "pct": (best.get("achieved") or {}).get("ours", {}).get(
+                                "pct_roofline"), "target": best.get("target")}
+            tu = _ok_time(best.get("unfused"))
+            if tu:
+                cell["unfused"] = {"rate": _rate(unit, best, tu),
+                                   "pct": (best.get("achieved") or {}).get("unfused", {}).get(
+                                       "pct_roofline")}
+        # each peer: its fastest measurement on this device (it ran beside every target)
+        for r in group:
+            for k, m in (r.get("peers") or {}).items():
+                t = _ok_time(m)
+                if t is None:
+                    continue
+                names[k] = m.get("name", k)
+                prev = cell.get(k)
+                rate = _rate(unit, r, t)
+                if rate and (prev is None or rate > prev["rate"]):
+                    pct = 100.0 * bound / t if bound else None
+                    cell[k] = {"rate": rate, "pct": pct}
+                    peer_total[k] = peer_total.get(k, 0.0)
+        for k in list(peer_total):
+            if k in cell:
+                peer_total[k] += math.log(cell[k]["rate"])
+        data[lab] = cell
+    order = ["ours", "unfused"] + sorted(peer_total, key=lambda k: -peer_total[k])
+    present = [k for k in order if any(k in data[lab] for lab in labels)]
+    dropped = present[MAX_SERIES:]
+    return labels, data, {k: names.get(k, k) for k in present[:MAX_SERIES]}, \
+        [names.get(k, k) for k in dropped]
+
+
+def _draw_panel(ax: Any, recs: Sequence[Mapping[str, Any]], unit: str, title: str) -> bool:
+    labels, data, series, dropped = _panel_data(recs, unit)
+    if not series:
+        ax.set_title(title + " — nothing ran")
+        return False
+    n = len(series)
+    width = 0.8 / n
+    top = 0.0
+    for si, (key, name) in enumerate(series.items()):
+        xs, ys = [], []
+        for i, lab in enumerate(labels):
+            v = data[lab].get(key)
+            if v and v.get("rate"):
+                xs.append(i - 0.4 + width * (si + 0.5))
+                ys.append(v["rate"])
+        if not xs:
+            continue
+        colour = COLOURS.get(key, f"C{si % 10}")
+        ax.bar(xs, ys, width * 0.92, color=colour, label=name,
+               edgecolor="black" if key == "ours" else colour, linewidth=0.6)
+        top = max(top, *ys)
+        for x, y, lab in zip(xs, ys, [lab for lab in labels if (data[lab].get(key) or {})
+                                      .get("rate")]):
+            v = data[lab][key]
+            pct = v.get("pct")
+            text = f"{pct:.0f}%" if pct is not None else ""
+            if key == "ours" and v.get("eff") is not None:
+                text = f"{v['eff']:.2g}×\n" + text
+            ax.text(x, y, text, ha="center", va="bottom", fontsize=7,
+                    fontweight="bold" if key == "ours" else "normal")
+            if key == "ours" and v.get("target"):
+                ax.text(x, 0, v["target"], ha="center", va="bottom", rotation=90, fontsize=6,
+                        color="white")
+    first_roof = True
+    for i, lab in enumerate(labels):
+        roof = data[lab].get("roof")
+        if roof:
+            ax.hlines(roof, i - 0.45, i + 0.45, colors="black", linewidth=2,
+                      label="roof (probes + best rate measured)" if first_roof else None)
+            first_roof = False
+            top = max(top, roof)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_xlim(-0.5, len(labels) - 0.5)
+    ax.set_ylim(0, top * 1.22 if top else 1)
+    ax.set_ylabel(f"{unit} (cost model / median)")
+    ax.set_title(title + (f" (not shown: {', '.join(dropped)})" if dropped else ""),
+                 fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", ncol=min(4, n + 1))
+    return True
+
+
+def _device_of(rec: Mapping[str, Any]) -> str:
+    return str(rec.get("device_key") or rec.get("platform") or rec.get("device") or "?")
+
+
+def plot_records(records: Sequence[Mapping[str, Any]], devices: Sequence[str],
+                 device_names: Mapping[str, str], out_dir: str | Path, title: str = "",
+                 prefix: str = "") -> list[Path]:
+    """The per-op panels and the fleet chart of some records; returns the paths written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
-    for r in result.get("cases", []):
+    for r in records:
         groups.setdefault((r["op"], r["dtype"]), []).append(r)
     written = []
     for (op, dtype), recs in sorted(groups.items()):
-        labels = _ordered_labels(recs)
         unit = unit_for(op, recs)
-        xs = {lab: i for i, lab in enumerate(labels)}
-        fig, ax = _figure()
-        colors = ["C0", "C1", "C2", "C3", "C4", "C5"]
-        targets = sorted({r["target"] for r in recs})
-        anything = False
-        for ti, tgt in enumerate(targets):
-            col = colors[ti % len(colors)]
-            trecs = sorted((r for r in recs if r["target"] == tgt), key=lambda r: xs[r["label"]])
-            series: dict[str, list[tuple[int, float]]] = {}
-            names: dict[str, str] = {"ours": "portakern", "unfused": "portakern unfused"}
-            roof: list[tuple[int, float]] = []
-            for r in trecs:
-                x = xs[r["label"]]
-                impls = {"ours": r.get("ours") or {}, "unfused": r.get("unfused") or {}}
-                for k, m in r.get("peers", {}).items():
-                    impls[k] = m
-                    names[k] = m.get("name", k)
-                for k, m in impls.items():
-                    y = _rate(unit, r, m.get("median_s")) if m.get("status") == "ok" else None
-                    if y:
-                        series.setdefault(k, []).append((x, y))
-                bs = (r.get("roofline") or {}).get("bound_s")
-                y = _rate(unit, r, bs)
-                if y:
-                    roof.append((x, y))
-            for k, pts in series.items():
-                ls, mk = STYLE.get(k, ("--", "^"))
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=ls, color=col,
-                        marker=mk, lw=2.2 if k == "ours" else 1.2,
-                        label=f"{tgt}: {names.get(k, k)}")
-                anything = True
-            if roof:
-                ax.plot([p[0] for p in roof], [p[1] for p in roof], "-", color=col, lw=0.8,
-                        alpha=0.5, label=f"{tgt}: roofline (our probes)")
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
-        if anything:
-            ax.set_yscale("log")
-        ax.set_ylabel(f"{unit} (cost model / median time)")
-        ax.set_title(f"{op} {dtype} — {result.get('environment', {}).get('hostname', '')}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        devs = [d for d in devices if any(_device_of(r) == d for r in recs)]
+        if not devs:
+            continue
+        fig, axes = _figure(len(devs))
+        for ax, d in zip(axes, devs):
+            _draw_panel(ax, [r for r in recs if _device_of(r) == d], unit,
+                        f"{op} {dtype} on {device_names.get(d, d)}")
+        if title:
+            fig.suptitle(title, fontsize=9)
         fig.tight_layout()
-        path = out / f"{_safe(op)}_{_safe(dtype)}.png"
+        path = out / f"{prefix}{_safe(op)}_{_safe(dtype)}.png"
+        fig.savefig(path)
+        written.append(path)
+    written += plot_fleet(records, devices, device_names, out, title, prefix)
+    return written
+
+
+def plot_fleet(records: Sequence[Mapping[str, Any]], devices: Sequence[str],
+               device_names: Mapping[str, str], out_dir: Path, title: str = "",
+               prefix: str = "") -> list[Path]:
+    """Efficiency of the best portakern target per device (rows) per case (columns)."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    written = []
+    for dtype in sorted({r["dtype"] for r in records}):
+        recs = [r for r in records if r["dtype"] == dtype]
+        cols: list[tuple[str, str]] = []
+        for op in sorted({r["op"] for r in recs}):
+            cols += [(op, lab) for lab in _labels([r for r in recs if r["op"] == op])]
+        devs = [d for d in devices if any(_device_of(r) == d for r in recs)]
+        if not cols or not devs:
+            continue
+        grid = np.full((len(devs), len(cols)), np.nan)
+        notes = [["" for _ in cols] for _ in devs]
+        for i, d in enumerate(devs):
+            for j, (op, lab) in enumerate(cols):
+                group = [r for r in recs if _device_of(r) == d and r["op"] == op
+                         and r["label"] == lab]
+                if not group:
+                    notes[i][j] = "not\nmeasured"
+                    continue
+                best = _best_record(group)
+                if best is None:
+                    notes[i][j] = "cannot\nrun"
+                    continue
+                e = best.get("efficiency")
+                pct = (best.get("achieved") or {}).get("ours", {}).get("pct_roofline")
+                if e is not None:
+                    grid[i, j] = float(e)
+                notes[i][j] = ((f"{e:.2g}×" if e is not None else "no peer") + "\n"
+                               + str(best.get("target")) + "\n"
+                               + (f"{pct:.0f}% roof" if pct is not None else ""))
+        fig, axes = _figure(1, width=max(8.0, 1.05 * len(cols) + 3),
+                            height=max(2.4, 1.1 * len(devs) + 1.2))
+        ax = axes[0]
+        im = ax.imshow(np.clip(grid, 1 / 8, 8), cmap="RdYlGn", norm=LogNorm(1 / 8, 8),
+                       aspect="auto")
+        for i in range(len(devs)):
+            for j in range(len(cols)):
+                ax.text(j, i, notes[i][j], ha="center", va="center", fontsize=6.5)
+        ax.set_xticks(range(len(cols)))
+        ax.set_xticklabels([f"{op}\n{lab}" for op, lab in cols], fontsize=7, rotation=30,
+                           ha="right")
+        ax.set_yticks(range(len(devs)))
+        ax.set_yticklabels([device_names.get(d, d) for d in devs], fontsize=8)
+        cb = fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01)
+        ticks = [1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8]
+        cb.set_ticks(ticks)
+        cb.set_ticklabels(["1/8", "1/4", "1/2", "1", "2", "4", "8"])
+        cb.minorticks_off()
+        cb.set_label("efficiency = best peer time / ours (log)", fontsize=7)
+        ax.set_title(f"fleet {dtype}: portakern's best target per device vs the best peer "
+                     "on that device" + (f" — {title}" if title else ""), fontsize=9)
+        fig.tight_layout()
+        path = out_dir / f"{prefix}fleet_{_safe(dtype)}.png"
         fig.savefig(path)
         written.append(path)
     return written
+
+
+def plot_run(result: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
+    """Per-op panels (one per device) and the fleet chart of one run."""
+    from .report import attach_devices, device_key_of
+
+    attach_devices(result)
+    env = result.get("environment") or {}
+    host = env.get("hostname", "?")
+    model = (env.get("cpu") or {}).get("model") or "CPU"
+    devices: list[str] = []
+    names: dict[str, str] = {}
+    for t in (result.get("targets") or {}).values():
+        d = device_key_of(t, host)
+        if d not in devices:
+            devices.append(d)
+            kind = (t.get("device") or {}).get("kind")
+            names[d] = f"{model if kind == 'cpu' else t['device'].get('name')} @ {host}"
+    for r in result.get("cases", []):
+        if r.get("device_key") and r["device_key"] not in devices:
+            devices.append(r["device_key"])
+    commit = ((env.get("git") or {}).get("commit") or "")[:10]
+    return plot_records(result.get("cases", []), devices, names, out_dir,
+                        title=f"{host}, suite {result.get('config', {}).get('suite')}, "
+                              f"commit {commit}")
 
 
 def plot_report(merged: Any, out_dir: str | Path) -> list[Path]:
-    """Efficiency per platform vs size, one PNG per (op, dtype) of a merged report."""
-    from .report import portability
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cases = portability(merged.records, merged.platforms)
-    groups: dict[tuple[str, str], list[Any]] = {}
-    for c in cases:
-        groups.setdefault((c.key[0], c.key[1]), []).append(c)
-    written = []
-    for (op, dtype), cs in sorted(groups.items()):
-        fig, ax = _figure()
-        labels = [c.key[2] for c in cs]
-        for i, p in enumerate(merged.platforms):
-            pts = [(j, c.efficiency[p]) for j, c in enumerate(cs)
-                   if c.efficiency.get(p) is not None and c.efficiency[p] > 0]
-            if pts:
-                ax.plot([q[0] for q in pts], [q[1] for q in pts], "-o", color=f"C{i % 10}",
-                        label=f"{merged.short[p]}: {p}")
-        pps = [(j, c.pp_app.value) for j, c in enumerate(cs)
-               if c.pp_app is not None and c.pp_app.value]
-        if pps:
-            ax.plot([q[0] for q in pps], [q[1] for q in pps], "k--", lw=2, label="PP (vs peers)")
-        zero = [j for j, c in enumerate(cs) if c.pp_app is not None and c.pp_app.value == 0]
-        for j in zero:
-            ax.axvline(j, color="red", alpha=0.3, lw=6)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
-        ys = [v for c in cs for v in c.efficiency.values() if v] + [1.0]
-        if ys and min(ys) > 0 and max(ys) / min(ys) > 20:
-            ax.set_yscale("log")
-        ax.set_ylabel("efficiency = peer time / portakern time")
-        ax.set_title(f"{op} {dtype}: efficiency per platform"
-                     + (" (red: PP = 0, a platform cannot run it)" if zero else ""))
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        path = out / f"report_{_safe(op)}_{_safe(dtype)}.png"
-        fig.savefig(path)
-        written.append(path)
-    return written
+    """Per-op panels (one per device) and the fleet chart of a merged report."""
+    names = {d: f"{merged.device_short.get(d, d)}: {merged.device_label.get(d, d)}"
+             for d in merged.devices}
+    return plot_records(merged.records, merged.devices, names, out_dir, prefix="report_")

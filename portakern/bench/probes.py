@@ -32,11 +32,17 @@ from .timing import TimingConfig, measure
 
 PROBE_TIMING = TimingConfig(min_time=0.1, min_reps=3, max_reps=50, budget_s=4.0)
 
-# (elements copied, work-group sizes) and (work-items, [(CHAINS, ITERS, WG), ...]) per class
-COPY_SHAPES = {"cpu": (32 << 20, (256, 1024)), "gpu": (64 << 20, (256, 1024))}
+# (elements copied, [(VW, WG), ...]) and (work-items, [(VW, CHAINS, ITERS, WG), ...]) per
+# device class. VW is the vector width (OpenCL floatVW; a dialect without vector types runs
+# VW = 1). The CPU trials put 8-16 independent 16-lane chains per work-item (AVX-512: one or
+# two zmm FMA pipes of 4-cycle latency need >= 8 in flight); the scalar trial is kept so a
+# device where vectors do worse is still measured at its best.
+COPY_SHAPES = {"cpu": (32 << 20, ((16, 64), (8, 128), (1, 1024))),
+               "gpu": (64 << 20, ((4, 256), (1, 256), (1, 1024)))}
 FMA_SHAPES = {
-    "cpu": (1 << 20, ((8, 128, 256), (8, 64, 64), (4, 128, 256), (16, 64, 256))),
-    "gpu": (1 << 25, ((8, 128, 256), (16, 64, 256), (4, 256, 128))),
+    "cpu": (1 << 16, ((16, 8, 64, 64), (16, 12, 64, 64), (16, 12, 64, 4), (8, 16, 64, 64),
+                      (1, 8, 128, 256))),
+    "gpu": (1 << 22, ((1, 8, 128, 256), (1, 16, 64, 256), (4, 8, 64, 256), (1, 4, 256, 128))),
 }
 JAX_COPY_ELEMS = {"cpu": 32 << 20, "gpu": 64 << 20}
 JAX_FMA_SHAPES = {"cpu": ((1 << 18, 8, 400), (1 << 16, 16, 200)),
@@ -55,8 +61,11 @@ class Roofline:
     trials: list[dict[str, Any]] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)  # number -> target it came from
 
-    def peak_for(self, compute_dtype: str) -> float | None:
-        return self.fma_gflops.get(compute_dtype)
+    def peak_for(self, compute_dtype: str, dtype: str | None = None) -> float | None:
+        """The peak for a case: the entry of its storage dtype when a measured rate lifted
+        one (``lift``), else the probe's peak in its compute dtype."""
+        got = self.fma_gflops.get(dtype) if dtype else None
+        return got if got is not None else self.fma_gflops.get(compute_dtype)
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"status": self.status, "copy_gbs": self.copy_gbs,
@@ -101,6 +110,56 @@ def combine(roofs: Mapping[str, Roofline]) -> Roofline:
     return out
 
 
+def lift(roof: Roofline, rec: Mapping[str, Any]) -> Roofline:
+    """The roof raised to every rate measured in case record ``rec``.
+
+    Every implementation that ran a case (ours, the unfused chain, every peer) did the cost
+    model's flops and moved at least its compulsory bytes in its median time, so flops/time is
+    a lower bound on the device's peak and bytes/time on its bandwidth, exactly as a probe is.
+    The roof used is the maximum of all of them, so no measurement can exceed 100% of it:
+    roofline time = max(flops/peak, bytes/bw) <= time for every measured time. A rate can only
+    lift the peak of its own case dtype (``fma_gflops[dtype]``: an fp16 GEMM on tensor cores
+    lifts the fp16 roof, not the fp32 one); ``sources`` names the measurement that set each
+    number. A probe-less or failed roof becomes the measured rates alone."""
+    cost = rec.get("cost") or {}
+    flops, nbytes = cost.get("flops"), cost.get("bytes")
+    if flops is None or nbytes is None:
+        return roof
+    dtype = rec.get("dtype") or rec.get("compute_dtype") or "float32"
+    compute = rec.get("compute_dtype") or dtype
+    impls: dict[str, Mapping[str, Any]] = {"ours": rec.get("ours") or {}}
+    if rec.get("unfused"):
+        impls["unfused"] = rec["unfused"]
+    impls.update(rec.get("peers") or {})
+    ok = roof.status == "ok"
+    out = Roofline(status="ok", copy_gbs=roof.copy_gbs if ok else None,
+                   fma_gflops=dict(roof.fma_gflops) if ok else {},
+                   method=roof.method if ok else "rates measured in this run (no probe)",
+                   trials=roof.trials, sources=dict(roof.sources) if ok else {})
+    if ok and dtype not in out.fma_gflops and compute in out.fma_gflops:
+        out.fma_gflops[dtype] = out.fma_gflops[compute]
+        out.sources.setdefault(f"fma_gflops.{dtype}",
+                               out.sources.get(f"fma_gflops.{compute}", "probe"))
+    where = f"{rec.get('id', '?')} on {rec.get('target', '?')}"
+    for k, m in impls.items():
+        t = m.get("median_s")
+        if m.get("status") != "ok" or not t or t <= 0:
+            continue
+        name = "portakern" if k == "ours" else m.get("name", k)
+        gf, gb = flops / t / 1e9, nbytes / t / 1e9
+        if gf > 0 and gf > out.fma_gflops.get(dtype, 0.0):
+            out.fma_gflops[dtype] = gf
+            out.sources[f"fma_gflops.{dtype}"] = f"measured: {name}, {where}"
+        if gb > 0 and gb > (out.copy_gbs or 0.0):
+            out.copy_gbs = gb
+            out.sources["copy_gbs"] = f"measured: {name}, {where}"
+    if out.copy_gbs is None or not out.fma_gflops:
+        return roof
+    if (out.sources != roof.sources or not ok) and "raised to rates" not in out.method:
+        out.method = (roof.method + "; " if ok else "") + "raised to rates measured in this run"
+    return out
+
+
 def probe_source() -> str:
     """The probes' C source (package data beside this module)."""
     try:
@@ -122,20 +181,27 @@ def probe_kernel_backend(be: KernelBackend, compute_dtypes: Sequence[str],
     klass = be.device_class
     src = probe_source()
     roof = Roofline(method=f"probes.c via {be.name} compile/enqueue")
-    n_copy, wgs = COPY_SHAPES[klass]
+    vector = bool(codegen.DIALECTS[be.dialect or ""].vectors) if be.dialect else False
+    n_copy, copy_shapes = COPY_SHAPES[klass]
     x = be.empty((n_copy,), "float32")
     y = be.empty((n_copy,), "float32")
-    rendered = codegen.render(src, be.dialect or "", slots={"T": "float32"},
-                              defines={"CHAINS": 1, "ITERS": 1})
-    copy_k = be.compile(rendered, ("pk_probe_copy",))["pk_probe_copy"]
     best_bw = 0.0
-    for wg in (w for w in wgs if _wg_ok(be, w)):
-        la = Launch("pk_probe_copy", (cdiv(n_copy, wg), 1, 1), (wg, 1, 1), ())
+    tried: set[tuple[int, ...]] = set()
+    for vw, wg in copy_shapes:
+        vw = vw if vector else 1
+        if not _wg_ok(be, wg) or n_copy % vw or (vw, wg) in tried:
+            continue
+        tried.add((vw, wg))
+        rendered = codegen.render(src, be.dialect or "", slots={"T": "float32"},
+                                  defines={"CHAINS": 1, "ITERS": 1, "VW": vw})
+        copy_k = be.compile(rendered, ("pk_probe_copy",))["pk_probe_copy"]
+        la = Launch("pk_probe_copy", (cdiv(n_copy // vw, wg), 1, 1), (wg, 1, 1), ())
         args = [be.buffer_arg(x), be.buffer_arg(y), np.int32(n_copy)]
-        m = measure(lambda la=la, args=args: be.enqueue(copy_k, la, args), be.synchronize,
-                    timing, what=f"pk_probe_copy n={n_copy} wg={wg}")
+        m = measure(lambda k=copy_k, la=la, args=args: be.enqueue(k, la, args),
+                    be.synchronize, timing, what=f"pk_probe_copy n={n_copy} vw={vw} wg={wg}")
         bw = 2.0 * n_copy * 4 / m.median / 1e9  # type: ignore[operator]
-        roof.trials.append({"probe": "copy", "n": n_copy, "wg": wg, "median_s": m.median,
+        roof.trials.append({"probe": "copy", "n": n_copy, "vw": vw, "wg": wg,
+                            "median_s": m.median, "min_s": m.stats.min if m.stats else None,
                             "gbs": bw})
         best_bw = max(best_bw, bw)
     del x, y
@@ -147,19 +213,24 @@ def probe_kernel_backend(be: KernelBackend, compute_dtypes: Sequence[str],
         out = be.empty((n_items,), cdt)
         scal = np.float64 if cdt == "float64" else np.float32
         best = 0.0
-        for chains, iters, wg in shapes:
-            if not _wg_ok(be, wg) or n_items % wg:
+        tried = set()
+        for vw, chains, iters, wg in shapes:
+            vw = vw if vector else 1
+            if not _wg_ok(be, wg) or n_items % wg or (vw, chains, iters, wg) in tried:
                 continue  # the FMA probe has no bounds test: the launch must cover Y exactly
+            tried.add((vw, chains, iters, wg))
             rendered = codegen.render(src, be.dialect or "", slots={"T": cdt},
-                                      defines={"CHAINS": chains, "ITERS": iters})
+                                      defines={"CHAINS": chains, "ITERS": iters, "VW": vw})
             k = be.compile(rendered, ("pk_probe_fma",))["pk_probe_fma"]
             la = Launch("pk_probe_fma", (cdiv(n_items, wg), 1, 1), (wg, 1, 1), ())
             args = [be.buffer_arg(out), scal(0.999), scal(1e-3)]
             m = measure(lambda k=k, la=la, args=args: be.enqueue(k, la, args), be.synchronize,
-                        timing, what=f"pk_probe_fma {cdt} chains={chains} iters={iters}")
-            gf = 2.0 * n_items * chains * iters / m.median / 1e9  # type: ignore[operator]
-            roof.trials.append({"probe": "fma", "dtype": cdt, "n": n_items, "chains": chains,
-                                "iters": iters, "wg": wg, "median_s": m.median, "gflops": gf})
+                        timing, what=f"pk_probe_fma {cdt} vw={vw} chains={chains} "
+                        f"iters={iters}")
+            gf = 2.0 * n_items * vw * chains * iters / m.median / 1e9  # type: ignore[operator]
+            roof.trials.append({"probe": "fma", "dtype": cdt, "n": n_items, "vw": vw,
+                                "chains": chains, "iters": iters, "wg": wg,
+                                "median_s": m.median, "gflops": gf})
             best = max(best, gf)
         if best:
             roof.fma_gflops[cdt] = best

@@ -1,16 +1,22 @@
 """Tables and the fleet report: one run's markdown, and `portakern report` over many runs.
 
-A *platform* (the unit of Pennycook's PP) is one backend target on one device of one machine:
-``opencl:0 · <device> @ <host>``. Each result file contributes its targets as platforms; the
-report lines up the same case (op, dtype, size, parameters) across all of them. For each case:
+The unit of Pennycook's performance portability here is a **device**: one physical processor
+of one machine (``cpu @ host``, ``gpu:<name> @ host``). Several portakern targets can run on
+one device (opencl:0, jax:0 and jax:pallas_0 on one CPU); they are compared side by side on
+that device, never averaged as if they were platforms (docs/bench.md says why). For each case
+(op, dtype, size, parameters):
 
-- efficiency on a platform = best peer time / our time there (None: no peer could run there);
-- PP (vs peers) = harmonic mean of those efficiencies, 0 if any platform cannot run the case;
-- PP (roofline) = the same over % of roofline / 100 (architectural efficiency), which exists
-  even where no vendor peer does.
+- efficiency of a target = best peer time / its time on that device (None: no peer ran);
+- per device, the *best portakern target* is the one with the highest efficiency;
+- PP (best) = harmonic mean over the devices of the best target's efficiency, 0 if a device
+  cannot run the case with any target; PP (kind) = the same for one target kind (opencl, jax,
+  jax:pallas, cuda) over the devices that have it;
+- the same over % of roofline / 100 (architectural efficiency), which exists even where no
+  vendor peer does.
 
-A platform that did not measure a case at all (another suite, an interrupted run) is listed as
-"not measured" and left out of that case's PP: it is unknown, not unsupported.
+A device that did not measure a case at all (another suite, an interrupted run) is listed as
+"not measured" and left out of that case's PP: it is unknown, not unsupported. A device that
+ran a case but had no peer is left out of the application-efficiency PP and named.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,53 +120,174 @@ def _flops(rec: Mapping[str, Any]) -> float:
     return float(rec.get("cost", {}).get("flops") or 0.0)
 
 
-# --- portability over platforms -----------------------------------------------------------------
+# --- portability over devices -------------------------------------------------------------------
+def target_kind(label: str) -> str:
+    """'opencl:0' -> 'opencl', 'jax:pallas_0' -> 'jax:pallas', 'cuda:1' -> 'cuda'."""
+    return re.sub(r"[:_]?\d+$", "", label) or label
+
+
+def device_key_of(target: Mapping[str, Any], host: str) -> str:
+    """The physical device a target runs on: all CPU targets of a host are one device."""
+    if target.get("device_key"):
+        return str(target["device_key"])
+    dev = target.get("device") or {}
+    kind = dev.get("kind", "?")
+    return ("cpu" if kind == "cpu" else f"{kind}:{str(dev.get('name', '?')).strip()}") \
+        + f" @ {host}"
+
+
+def attach_devices(result: Mapping[str, Any]) -> None:
+    """Give every case record of a result its ``device_key`` (older files lack it)."""
+    host = (result.get("environment") or {}).get("hostname", "?")
+    keys = {lab: device_key_of(t, host) for lab, t in (result.get("targets") or {}).items()}
+    for rec in result.get("cases", []):
+        if not rec.get("device_key"):
+            rec["device_key"] = keys.get(rec.get("target", ""), f"{rec.get('device')} @ {host}")
+
+
+def _roof_frac(rec: Mapping[str, Any]) -> float | None:
+    pct = (rec.get("achieved") or {}).get("ours", {}).get("pct_roofline")
+    return None if pct is None else float(pct) / 100.0
+
+
 @dataclass
 class CasePP:
+    """One case over the devices: each target's numbers, the best per device, and PP."""
+
     key: tuple[str, str, str]
     flops: float
-    efficiency: dict[str, float | None] = field(default_factory=dict)  # None = cannot run
+    records: dict[str, dict[str, Mapping[str, Any]]] = field(default_factory=dict)  # dev->lab
+    best: dict[str, str | None] = field(default_factory=dict)  # device -> best target label
+    efficiency: dict[str, float | None] = field(default_factory=dict)  # device -> best's
     roofline: dict[str, float | None] = field(default_factory=dict)
     no_peer: list[str] = field(default_factory=list)
     no_roof: list[str] = field(default_factory=list)
     not_measured: list[str] = field(default_factory=list)
     pp_app: metrics.Portability | None = None
     pp_roof: metrics.Portability | None = None
+    pp_kind: dict[str, metrics.Portability] = field(default_factory=dict)
+    kind_missing: dict[str, list[str]] = field(default_factory=dict)  # kind -> devices without
 
 
-def portability(records: Sequence[Mapping[str, Any]], platforms: Sequence[str]
+def portability(records: Sequence[Mapping[str, Any]], devices: Sequence[str]
                 ) -> list[CasePP]:
-    """Per case: each platform's efficiencies and the PP over ``platforms``."""
-    groups: dict[tuple[str, str, str], dict[str, Mapping[str, Any]]] = {}
+    """Per case: the targets on each device side by side, the best one, PP over devices."""
+    groups: dict[tuple[str, str, str], dict[str, dict[str, Mapping[str, Any]]]] = {}
     for r in records:
-        groups.setdefault(case_key(r), {})[r["platform"]] = r
+        dev = r.get("device_key") or r.get("platform", "?")
+        groups.setdefault(case_key(r), {}).setdefault(dev, {})[r["target"]] = r
+    kinds = sorted({target_kind(r["target"]) for r in records})
     out = []
-    for key, by_plat in groups.items():
-        c = CasePP(key, max(_flops(r) for r in by_plat.values()))
-        for p in platforms:
-            r = by_plat.get(p)
-            if r is None:
-                c.not_measured.append(p)
+    for key, by_dev in groups.items():
+        c = CasePP(key, max(_flops(r) for d in by_dev.values() for r in d.values()))
+        c.records = by_dev
+        for d in devices:
+            recs = by_dev.get(d)
+            if not recs:
+                c.not_measured.append(d)
                 continue
-            if not r.get("supported"):
-                c.efficiency[p] = None
-                c.roofline[p] = None
+            ran = {lab: r for lab, r in recs.items() if r.get("supported")}
+            if not ran:  # no target can run it on this device: PP is 0
+                c.best[d], c.efficiency[d], c.roofline[d] = None, None, None
                 continue
-            e = r.get("efficiency")
-            if e is None:
-                c.no_peer.append(p)
+            effs = {lab: r.get("efficiency") for lab, r in ran.items()
+                    if r.get("efficiency") is not None}
+            if effs:
+                lab = max(effs, key=lambda k: effs[k])
+                c.best[d], c.efficiency[d] = lab, float(effs[lab])
             else:
-                c.efficiency[p] = float(e)
-            pct = (r.get("achieved") or {}).get("ours", {}).get("pct_roofline")
-            if pct is None:
-                c.no_roof.append(p)
+                c.no_peer.append(d)
+                c.best[d] = None
+            roofs = {lab: _roof_frac(r) for lab, r in ran.items() if _roof_frac(r) is not None}
+            if roofs:
+                c.roofline[d] = max(roofs.values())
+                if c.best[d] is None:
+                    c.best[d] = max(roofs, key=lambda k: roofs[k])
             else:
-                c.roofline[p] = float(pct) / 100.0
+                c.no_roof.append(d)
         c.pp_app = metrics.performance_portability(c.efficiency)
         c.pp_roof = metrics.performance_portability(c.roofline)
+        for kind in kinds:
+            per: dict[str, float | None] = {}
+            for d in devices:
+                recs = {lab: r for lab, r in (by_dev.get(d) or {}).items()
+                        if target_kind(lab) == kind}
+                if not recs:
+                    if d in by_dev:
+                        c.kind_missing.setdefault(kind, []).append(d)
+                    continue
+                ok = [r for r in recs.values() if r.get("supported")]
+                if not ok:
+                    per[d] = None
+                    continue
+                effs_k = [float(r["efficiency"]) for r in ok if r.get("efficiency") is not None]
+                if effs_k:
+                    per[d] = max(effs_k)
+            if per:
+                c.pp_kind[kind] = metrics.performance_portability(per)
         out.append(c)
     out.sort(key=lambda c: (c.key[0], c.key[1], c.flops, c.key[2]))
     return out
+
+
+def target_cell(r: Mapping[str, Any] | None) -> str:
+    """One target's numbers on a device: efficiency vs its best peer and % of roof."""
+    if r is None:
+        return "—"
+    if not r.get("supported"):
+        return "cannot run: " + str((r.get("ours") or {}).get("status"))
+    e = r.get("efficiency")
+    pct = (r.get("achieved") or {}).get("ours", {}).get("pct_roofline")
+    best = r.get("best_peer")
+    peer = r["peers"][best]["name"] if best else "no peer"
+    return f"{fmt_num(e, 2)}× vs {peer}; {fmt_pct(pct)}% roof"
+
+
+def kinds_pp_cell(c: CasePP, names: Mapping[str, str]) -> str:
+    parts = []
+    for kind, pp in sorted(c.pp_kind.items()):
+        text = f"{kind} {pp.value:.3g}" if pp.value is not None else f"{kind} n/a"
+        if pp.unsupported:
+            text += " (cannot run on " + ", ".join(names.get(d, d) for d in pp.unsupported) + ")"
+        if c.kind_missing.get(kind):
+            text += " (not on " + ", ".join(names.get(d, d) for d in c.kind_missing[kind]) + ")"
+        parts.append(text)
+    return "; ".join(parts) or "—"
+
+
+def pp_tables(records: Sequence[Mapping[str, Any]], devices: Sequence[str],
+              names: Mapping[str, str]) -> list[str]:
+    """Per op: the targets of each device side by side, the best one, and PP over devices."""
+    cases = portability(records, devices)
+    by_op: dict[str, list[CasePP]] = {}
+    for c in cases:
+        by_op.setdefault(c.key[0], []).append(c)
+    lines: list[str] = []
+    for op, cs in by_op.items():
+        cols: list[tuple[str, str]] = []  # (device, target label) present for this op
+        for d in devices:
+            labs = sorted({lab for c in cs for lab in (c.records.get(d) or {})},
+                          key=lambda lab: (target_kind(lab), lab))
+            cols += [(d, lab) for lab in labs]
+        header = (["dtype", "size"] + [f"{names.get(d, d)} {lab}" for d, lab in cols]
+                  + ["best per device", "PP best (vs peers)", "PP best (roofline)",
+                     "PP per target kind (vs peers)"])
+        rows = []
+        for c in cs:
+            cells = [c.key[1], c.key[2]]
+            cells += [target_cell((c.records.get(d) or {}).get(lab)) if d in c.records
+                      else "not measured" for d, lab in cols]
+            bests = []
+            for d in devices:
+                if d in c.best:
+                    bests.append(f"{names.get(d, d)}: {c.best[d] or 'none'}")
+            cells += ["; ".join(bests) or "—",
+                      pp_cell(c.pp_app, c.no_peer, names, c.not_measured),
+                      pp_cell(c.pp_roof, c.no_roof, names, c.not_measured),
+                      kinds_pp_cell(c, names)]
+            rows.append(cells)
+        lines += ["", f"### {op}", "", md_table(header, rows)]
+    return lines
 
 
 def pp_cell(pp: metrics.Portability | None, excluded: Sequence[str], names: Mapping[str, str],
@@ -211,6 +339,7 @@ def run_markdown(result: Mapping[str, Any]) -> str:
     lines = [f"## portakern bench — {env.get('hostname', '?')} "
              f"({env.get('cpu', {}).get('model', '?')}), suite {result['config']['suite']}"
              + (" — INTERRUPTED (partial)" if result.get("interrupted") else "")]
+    lines += warnings_markdown(result.get("peers_missing") or {})
     trows = []
     for label, t in result.get("targets", {}).items():
         own = t.get("roofline", {})
@@ -279,17 +408,17 @@ def run_markdown(result: Mapping[str, Any]) -> str:
                   f"{worst:.0%}; column \"others' CPU\"). Their absolute times are suspect; "
                   f"ratios, measured back to back, less so{which}."]
     lines += dispatch_markdown(result.get("dispatch") or {})
-    plats = [t["platform"] for t in result.get("targets", {}).values()]
-    if plats:
-        names = {t["platform"]: lab for lab, t in result.get("targets", {}).items()}
-        prow = []
-        for c in portability(result.get("cases", []), plats):
-            prow.append([c.key[0], c.key[1], c.key[2], pp_cell(c.pp_app, c.no_peer, names),
-                         pp_cell(c.pp_roof, c.no_roof, names),
-                         ", ".join(names.get(p, p) for p in c.not_measured) or ""])
-        lines += ["", f"Performance portability over this run's {len(plats)} platform(s):", "",
-                  md_table(["op", "dtype", "size", "PP (vs peers)", "PP (roofline)",
-                            "not measured"], prow)]
+    attach_devices(result)
+    host = env.get("hostname", "?")
+    devs = list(dict.fromkeys(device_key_of(t, host)
+                              for t in result.get("targets", {}).values()))
+    if devs:
+        names = {d: f"D{i + 1}" for i, d in enumerate(devs)}
+        legend = ", ".join(f"{names[d]} = {d}" for d in devs)
+        lines += ["", f"Performance portability over this run's {len(devs)} device(s) "
+                  f"({legend}); the targets on one device side by side, PP over devices "
+                  "(docs/bench.md):"]
+        lines += pp_tables(result.get("cases", []), devs, names)
     if result.get("wall_s") is not None:
         lines += ["", f"wall time {result['wall_s']:.1f} s"]
     return "\n".join(lines) + "\n"
@@ -303,32 +432,43 @@ def _us_spread(m: Mapping[str, float]) -> str:
 
 
 def dispatch_markdown(dispatch: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Lines of the dispatch-overhead table (one row per target; empty when not measured)."""
+    """Lines of the dispatch-overhead table (one row per target and entry point; empty when
+    not measured)."""
+    from .dispatch import TARGET_US, entries_of
+
     if not dispatch:
         return []
     rows = []
     head = None
-    for target, d in dispatch.items():
-        if d.get("status") != "ok":
-            rows.append([target, d.get("status", "?"), "", "", "", "",
-                         _cell(str(d.get("reason", ""))[:100])])
-            continue
-        head = head or d
-        pc, ov, ok = d["per_call_us"], d["overhead_us"], d["meets_target"]
-        rows.append([target, _us_spread(pc["call"]), _us_spread(pc["call_out"]),
-                     _us_spread(pc["raw"]),
-                     f"{ov['call']:+.3g} µs", f"{ov['call_out']:+.3g} µs",
-                     f"call {'yes' if ok['call'] else 'no'}, out= "
-                     f"{'yes' if ok['call_out'] else 'no'}"])
-    bound = (head or {}).get("target_us", 10.0)
-    what = (f"{head['op']} {'x'.join(map(str, head['shape']))} {head['dtype']}, "
-            f"device-resident, {head['iterations']} calls per block + one synchronize, median of "
-            f"{head['rounds']} interleaved rounds" if head else "")
-    return ["", f"Dispatch overhead ({what}; target: a call adds at most {bound:g} µs over the "
-            "raw enqueue of the same compiled kernel):", "",
-            md_table(["target", "pk.call per call", "pk.call(out=) per call",
-                      "raw enqueue per call", "overhead pk.call", "overhead out=",
+    for target, rec in dispatch.items():
+        for name, d in entries_of(rec).items():
+            if d.get("status") != "ok":
+                rows.append([target, name, d.get("status", "?"), "", "", "", "",
+                             _cell(str(d.get("reason", ""))[:100])])
+                continue
+            head = head or d
+            pc, ov, ok = d["per_call_us"], d["overhead_us"], d["meets_target"]
+            rows.append([target, d.get("call", name), _us_spread(pc["call"]),
+                         _us_spread(pc["call_out"]), _us_spread(pc["raw"]),
+                         f"{ov['call']:+.3g} µs", f"{ov['call_out']:+.3g} µs",
+                         f"call {'yes' if ok['call'] else 'no'}, out= "
+                         f"{'yes' if ok['call_out'] else 'no'}"])
+    bound = (head or {}).get("target_us", TARGET_US)
+    what = (f"{head.get('dtype', '')}, device-resident, {head['iterations']} calls per block + "
+            f"one synchronize, median of {head['rounds']} interleaved rounds" if head else "")
+    return ["", f"Dispatch overhead of the calls users write ({what}; target: each adds at "
+            f"most {bound:g} µs over the raw enqueue of the same compiled kernels):", "",
+            md_table(["target", "call", "per call", "with out= per call",
+                      "raw enqueue per call", "overhead call", "overhead out=",
                       f"within {bound:g} µs"], rows)]
+
+
+def warnings_markdown(missing: Mapping[str, str]) -> list[str]:
+    """The missing-peer warning printed at the top of a run's table and of the report."""
+    if not missing:
+        return []
+    return ["", "> **WARNING: promised peers are missing, so their columns are empty:** "
+            + "; ".join(f"{k}: {_cell(v)}" for k, v in missing.items()), ""]
 
 
 # --- many runs ------------------------------------------------------------------------------------
@@ -339,6 +479,10 @@ class Merged:
     records: list[dict[str, Any]]
     sources: list[dict[str, Any]]
     notes: list[str]
+    devices: list[str] = field(default_factory=list)  # physical devices, in file order
+    device_short: dict[str, str] = field(default_factory=dict)  # device -> D1, D2, ...
+    device_label: dict[str, str] = field(default_factory=dict)  # device -> model @ host
+    missing_peers: dict[str, str] = field(default_factory=dict)  # "host: peer" -> why
 
 
 def merge(results: Sequence[Mapping[str, Any]]) -> Merged:
@@ -348,7 +492,22 @@ def merge(results: Sequence[Mapping[str, Any]]) -> Merged:
     platforms: list[str] = []
     notes: list[str] = []
     sources = []
+    devices: list[str] = []
+    device_label: dict[str, str] = {}
+    missing: dict[str, str] = {}
     for res in order:
+        attach_devices(res)
+        host = res.get("environment", {}).get("hostname", "?")
+        cpu_model = (res.get("environment", {}).get("cpu") or {}).get("model") or "CPU"
+        for t in res.get("targets", {}).values():
+            d = device_key_of(t, host)
+            if d not in devices:
+                devices.append(d)
+            kind = (t.get("device") or {}).get("kind")
+            device_label[d] = (f"{cpu_model} @ {host}" if kind == "cpu" else
+                               f"{(t.get('device') or {}).get('name', '?')} @ {host}")
+        for k, why in (res.get("peers_missing") or {}).items():
+            missing[f"{host}: {k}"] = why
         src = {"path": res.get("_path"), "host": res.get("environment", {}).get("hostname"),
                "created": res.get("environment", {}).get("created"),
                "commit": (res.get("environment", {}).get("git") or {}).get("commit"),
@@ -366,15 +525,20 @@ def merge(results: Sequence[Mapping[str, Any]]) -> Merged:
             by_plat_case[k] = dict(rec)
         sources.append(src)
     short = {p: f"P{i + 1}" for i, p in enumerate(platforms)}
-    return Merged(platforms, short, list(by_plat_case.values()), sources, notes)
+    return Merged(platforms, short, list(by_plat_case.values()), sources, notes, devices,
+                  {d: f"D{i + 1}" for i, d in enumerate(devices)}, device_label, missing)
 
 
 def report_markdown(m: Merged, plot_files: Sequence[str] = ()) -> str:
-    lines = ["# portakern: the portability gap", "",
-             "Efficiency = best native peer's time / portakern's time on the same device "
-             "(1 = parity, >1 = faster than the peer). PP = Pennycook's performance "
-             "portability: harmonic mean over the platforms, 0 if any cannot run the case. "
-             "See docs/bench.md.", "", "## Platforms", ""]
+    lines = ["# portakern: the portability gap", ""]
+    lines += warnings_markdown(m.missing_peers)
+    lines += ["Efficiency = best native peer's time / portakern's time on the same device "
+              "(1 = parity, >1 = faster than the peer). PP = Pennycook's performance "
+              "portability over **devices** (harmonic mean, 0 if a device cannot run the "
+              "case): the best portakern target per device, and per target kind. Targets "
+              "sharing a device are shown side by side, not averaged. % roof is against the "
+              "device's roof: the best of our probes and every rate measured on it in the run, "
+              "so it never exceeds 100. See docs/bench.md.", "", "## Devices", ""]
     latest: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {}
     files: dict[str, list[str]] = {}
     for src in m.sources:  # oldest first: the newest file's record of a platform wins
@@ -382,45 +546,26 @@ def report_markdown(m: Merged, plot_files: Sequence[str] = ()) -> str:
             latest[t["platform"]] = (src, t, label)
             files.setdefault(t["platform"], []).append(
                 Path(src["path"] or "?").name + (" (interrupted)" if src["interrupted"] else ""))
-    prow = []
-    for p in m.platforms:
-        src, t, label = latest[p]
+    drow = []
+    for d in m.devices:
+        plats = [p for p in m.platforms if device_key_of(latest[p][1], latest[p][0]["host"]
+                                                          or "?") == d]
+        src, t, _ = latest[plats[-1]]
         roof = t.get("roofline_effective") or t.get("roofline", {})
         peaks = ", ".join(f"{k} {fmt_num(v, 4)}" for k, v in
                           (roof.get("fma_gflops") or {}).items())
-        prow.append([m.short[p], label, t["device"]["name"], src["host"] or "?",
+        probe = t.get("roofline_probes") or {}
+        ppeaks = ", ".join(f"{k} {fmt_num(v, 4)}" for k, v in
+                           (probe.get("fma_gflops") or {}).items())
+        drow.append([m.device_short[d], m.device_label.get(d, d),
+                     ", ".join(latest[p][2] for p in plats),
                      fmt_num(roof.get("copy_gbs"), 4), peaks or roof.get("status", "—"),
-                     (src["commit"] or "?")[:10], str(src["suite"]), ", ".join(files[p])])
-    lines.append(md_table(["id", "target", "device", "host", "roof GB/s", "roof GFLOP/s",
-                           "commit (newest)", "suite", "files"], prow))
-    cases = portability(m.records, m.platforms)
-    by_op: dict[str, list[CasePP]] = {}
-    for c in cases:
-        by_op.setdefault(c.key[0], []).append(c)
-    rec_index = {(r["platform"], case_key(r)): r for r in m.records}
-    for op, cs in by_op.items():
-        lines += ["", f"## {op}", ""]
-        header = ["dtype", "size"] + [m.short[p] for p in m.platforms] + ["PP (vs peers)",
-                                                                           "PP (roofline)"]
-        rows = []
-        for c in cs:
-            cells = [c.key[1], c.key[2]]
-            for p in m.platforms:
-                r = rec_index.get((p, c.key))
-                if r is None:
-                    cells.append("not measured")
-                elif not r.get("supported"):
-                    cells.append("cannot run: " + str(r.get("ours", {}).get("status")))
-                else:
-                    e = r.get("efficiency")
-                    pct = (r.get("achieved") or {}).get("ours", {}).get("pct_roofline")
-                    best = r.get("best_peer")
-                    peer = r["peers"][best]["name"] if best else "no peer"
-                    cells.append(f"{fmt_num(e, 2)} vs {peer}; {fmt_pct(pct)}% roof")
-            cells += [pp_cell(c.pp_app, c.no_peer, m.short, c.not_measured),
-                      pp_cell(c.pp_roof, c.no_roof, m.short, c.not_measured)]
-            rows.append(cells)
-        lines.append(md_table(header, rows))
+                     (f"{fmt_num(probe.get('copy_gbs'), 4)} GB/s, {ppeaks}" if probe else "—"),
+                     (src["commit"] or "?")[:10], str(src["suite"]),
+                     ", ".join(sorted({f for p in plats for f in files[p]}))])
+    lines.append(md_table(["id", "device", "targets", "roof GB/s", "roof GFLOP/s",
+                           "of which the probes", "commit (newest)", "suite", "files"], drow))
+    lines += pp_tables(m.records, m.devices, m.device_short)
     if plot_files:
         lines += ["", "## Plots", ""]
         lines += [f"![{Path(f).stem}]({f})" for f in plot_files]

@@ -313,11 +313,13 @@ def _att(s: int, d: int = 64, b: int = 1, h: int = 8, hkv: int | None = None,
 # (size, params) per op and suite, smallest first (``--limit N`` keeps the first N).
 SIZES: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {
     "quick": {
-        "matmul": [(_mm(256), {}), (_mm(512), {}), (_mm(1024), {})],
+        # N=2048 and the causal S=4096 case carry README targets (issue 18, point 5)
+        "matmul": [(_mm(256), {}), (_mm(512), {}), (_mm(1024), {}), (_mm(2048), {})],
         "softmax": [({"rows": 1024, "cols": 1024}, {}), ({"rows": 4096, "cols": 4096}, {}),
                     ({"rows": 8192, "cols": 4096}, {})],
         "attention": [(_att(512), {"causal": False}), (_att(1024), {"causal": False}),
-                      (_att(1024, hkv=2), {"causal": False}), (_att(4096), {"causal": False})],
+                      (_att(1024, hkv=2), {"causal": False}), (_att(4096), {"causal": False}),
+                      (_att(4096), {"causal": True})],
     },
     "full": {
         "matmul": [(_mm(n), {}) for n in (128, 256, 512, 1024, 2048, 4096, 8192)]
