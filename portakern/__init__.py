@@ -22,6 +22,7 @@ from .info import to_backend
 from .ops import register_op, unregister_op
 from .selection import explain, use
 from .spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
+from .verify import Verdict, verify
 
 __version__ = "0.1.0"
 
@@ -31,5 +32,5 @@ __all__ = [
     "Operand", "PortakernError", "Problem", "Scalar", "ShapeError", "SpecError", "Tunable",
     "UnknownBackendError", "UnsupportedDTypeError", "attention", "backends", "call",
     "explain", "matmul", "register_cases", "register_op", "rmsnorm", "softmax", "to_backend",
-    "unregister_op", "use",
+    "unregister_op", "use", "Verdict", "verify",
 ]

@@ -1,8 +1,9 @@
 """Test cases that break kernels and numerics, drawn from one source for pytest and `check`.
 
 Shapes come from lists chosen to hit edges: 1, primes, tile sizes +- 1 (the default
-schedules tile by 8, 16, 32 and 64), tall-skinny, odd head dims (40, 59, 80, 111). Values
-include large offsets, -inf entries, fully masked rows and fp16's range. A ``Chooser``
+schedules tile by 8, 16, 32 and 64), tall-skinny, odd head dims (40, 59, 80, 111), and long
+reductions (matmul K = 4096 and 16384). Values include large offsets, NaN and +-inf entries,
+all-positive and integer-valued matmul operands, fully masked rows and fp16's range. A ``Chooser``
 abstracts where randomness comes from: hypothesis' ``data.draw`` in the test suite (so
 failures shrink) or a seeded numpy Generator in ``portakern check``.
 """
@@ -80,22 +81,66 @@ def _batch_pair(ch: Chooser) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return variant(), variant()
 
 
+LONG_K = (4096, 16384)  # reductions long enough to tell fp32 from TF32/bf16 inputs (verify)
+MATMUL_VALUES = ("normal", "normal", "positive", "integer", "offset", "nonfinite")
+
+
+def matmul_values(rng: np.random.Generator, kind: str, shape_a: tuple[int, ...],
+                  shape_b: tuple[int, ...], dtype: str, scale: float = 1.0
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Operands of one value family: normal; positive (uniform [0, 1), no cancellation);
+    integer-valued (exact in every order while partial sums stay below 2^24); offset (a's
+    entries around +-1e4, b's around +-1e4 or 0: a common offset the rounding must not
+    bias); nonfinite (normal with a few NaN / +inf / -inf entries, which must land exactly
+    where the oracle puts them). fp16 keeps its results below its range (65504)."""
+    k = shape_a[-1]
+    if kind == "positive":
+        a, b = rng.random(shape_a) * scale, rng.random(shape_b)
+    elif kind == "integer":
+        hi = 2 if dtype == "float16" else 8
+        a, b = (rng.integers(-hi, hi + 1, s).astype(np.float64) for s in (shape_a, shape_b))
+    elif kind == "offset":
+        off = 1e4 if dtype != "float16" else 64.0 / max(1.0, np.sqrt(k))
+        sign_a = 1.0 if rng.random() < 0.5 else -1.0
+        sign_b = float(rng.choice([1.0, -1.0, 0.0]))
+        a = rng.standard_normal(shape_a) + sign_a * off
+        b = rng.standard_normal(shape_b) + sign_b * off
+    else:
+        a, b = rng.standard_normal(shape_a) * scale, rng.standard_normal(shape_b)
+    if kind == "nonfinite":
+        for x in (a, b):
+            if x.size and rng.random() < 0.7:
+                flat = x.reshape(-1)
+                for _ in range(int(rng.integers(1, 4))):
+                    flat[int(rng.integers(flat.size))] = rng.choice([np.nan, np.inf, -np.inf])
+    return _finite_cast(a, dtype), _finite_cast(b, dtype)
+
+
+def _finite_cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    big = float(np.finfo(np.float16).max if dtype == "float16" else 1e300)
+    return dtypes.cast_to(np.where(np.isfinite(x), np.clip(x, -big, big), x), dtype)
+
+
 def matmul_case(ch: Chooser, dtype: str) -> Case:
     rng = np.random.default_rng(ch.seed())
-    shape_kind = ch.choice(("edge", "edge", "edge", "tall", "wide", "deep"))
+    shape_kind = ch.choice(("edge", "edge", "edge", "tall", "wide", "deep", "long"))
     if shape_kind == "tall":
         m, k, n = ch.choice((257, 1000)), ch.choice((1, 3, 5)), ch.choice((1, 3, 17))
     elif shape_kind == "wide":
         m, k, n = ch.choice((1, 3)), ch.choice((5, 17)), ch.choice((513, 1000))
     elif shape_kind == "deep":
         m, k, n = ch.choice((2, 9)), ch.choice((700, 2049)), ch.choice((2, 33))
+    elif shape_kind == "long":
+        m, k, n = ch.choice((1, 3, 9)), ch.choice(LONG_K), ch.choice((1, 5, 33))
     else:
         m, k, n = ch.choice(EDGE_SIZES), ch.choice(EDGE_SIZES), ch.choice(EDGE_SIZES)
-    ba, bb = _batch_pair(ch) if ch.boolean(0.4) else ((), ())
+    ba, bb = _batch_pair(ch) if shape_kind != "long" and ch.boolean(0.4) else ((), ())
     scale = ch.choice((1.0, 1e-3, 30.0)) if dtype != "float16" else ch.choice((1.0, 1e-2, 4.0))
-    a = _normal(rng, ba + (m, k), dtype, scale)
-    b = _normal(rng, bb + (k, n), dtype)
-    return Case({"a": a, "b": b}, {}, shape_kind)
+    if dtype == "float16" and k > 1000:
+        scale = min(scale, 1.0)  # sums of 16384 products stay inside fp16's range
+    values = ch.choice(MATMUL_VALUES)
+    a, b = matmul_values(rng, values, ba + (m, k), bb + (k, n), dtype, scale)
+    return Case({"a": a, "b": b}, {}, f"{shape_kind}, {values}")
 
 
 def softmax_case(ch: Chooser, dtype: str) -> Case:
@@ -106,7 +151,7 @@ def softmax_case(ch: Chooser, dtype: str) -> Case:
     axis_pos = ch.choice(range(rank))
     shape = others[:axis_pos] + [n] + others[axis_pos:]
     axis = axis_pos - rank if ch.boolean() else axis_pos
-    kind = ch.choice(("normal", "offset", "wide", "neginf", "range"))
+    kind = ch.choice(("normal", "offset", "wide", "neginf", "posinf", "range"))
     scale, offset = 1.0, 0.0
     if kind == "offset":
         offset = ch.choice((1e4, -1e4, 300.0))
@@ -124,6 +169,12 @@ def softmax_case(ch: Chooser, dtype: str) -> Case:
                 if d != axis_pos:
                     idx[d] = 0  # type: ignore[call-overload]
             x[tuple(idx)] = -np.inf  # one fully -inf row -> zeros
+    if kind == "posinf" and x.size:  # +inf in a row makes the row NaN, as in the oracle
+        x = x.copy()
+        x[rng.random(x.shape) < 0.01] = np.inf
+        x.reshape(-1)[int(rng.integers(x.size))] = np.inf
+        if ch.boolean(0.3):
+            x[rng.random(x.shape) < 0.1] = -np.inf
     return Case({"x": x}, {"axis": axis}, kind)
 
 
@@ -201,36 +252,11 @@ def case_generator(spec: Any) -> CaseGenerator | None:
     return derived_cases(spec)
 
 
-@dataclass
-class Verdict:
-    ok: bool
-    worst_ratio: float  # max over elements of |got - ref| / bound (<= 1 passes)
-    where: str = ""
+def compare(spec: Any, case: Case, got: Any) -> Any:
+    """Check a backend's output against the float64 oracle: the op's worst-case bound and its
+    statistical check (portakern.verify, the one code path behind pk.verify, the suite and
+    `portakern check`). Returns a portakern.verify.Verdict."""
+    from .verify import compare_arrays
 
-
-def compare(spec: Any, case: Case, got: Any) -> Verdict:
-    """Check a backend's output against the float64 oracle under the op's tolerance rule."""
     arrays, params = spec.bind((), {k: v for k, v in case.arrays.items()} | case.params)
-    prob = spec.problem(arrays, params)
-    x64 = {k: (v if v is None or v.dtype == bool else v.astype(np.float64))
-           for k, v in case.arrays.items()}
-    args = [x64[o.name] for o in spec.operands]
-    with np.errstate(all="ignore"):
-        ref = np.asarray(spec.semantics(np, *args, **prob.params), dtype=np.float64)
-        got64 = np.asarray(got).astype(np.float64)
-        if got64.shape != ref.shape:
-            return Verdict(False, float("inf"), f"shape {got64.shape} != expected {ref.shape}")
-        if ref.size == 0:
-            return Verdict(True, 0.0)
-        bound = spec.tolerance(prob, {k: v for k, v in x64.items() if v is not None}, ref)
-        err = np.abs(got64 - ref)
-        both_nan = np.isnan(got64) & np.isnan(ref)
-        same_inf = np.isinf(ref) & (got64 == ref)
-        err = np.where(both_nan | same_inf, 0.0, err)
-        err = np.where(np.isnan(err), np.inf, err)
-        ratio = err / np.maximum(bound, 1e-300)
-    worst = float(ratio.max())
-    idx = np.unravel_index(int(ratio.argmax()), ratio.shape)
-    where = (f"at {tuple(int(i) for i in idx)}: got {got64[idx]!r}, expected {ref[idx]!r}, "
-             f"bound {float(bound[idx]) if np.ndim(bound) else float(bound)!r}")
-    return Verdict(bool(worst <= 1.0), worst, where)
+    return compare_arrays(spec, arrays, params, got)

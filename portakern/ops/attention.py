@@ -238,6 +238,54 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
     return w * rel + p.info.unit_roundoff * np.abs(ref) + floor
 
 
+STAT_EXP_ERR = 8.0  # exp's error in units of u (4 ulp), as in softmax.statistical
+
+
+def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
+    """Probabilistic model (the statistical check, portakern.verify). Per query row, with
+    weights p_j, W_d = sum_j p_j |v_jd|, o the oracle's output, E = STAT_EXP_ERR:
+
+    * random (sub-Gaussian proxy sigma^2; independent mean-zero rounding errors, Higham &
+      Mary 2019): each score's D-term dot (and the scale) errs with proxy
+      u^2 (D + 1) (scale |q|.|k|_j)^2 (every contiguous partial sum is <= scale |q|.|k|),
+      moving o_d by sum_j p_j ds_j (v_jd - o_d); the denominator and the P.V sums add Sk - 1
+      partial sums each (<= l and <= l W_d) and rescale them at most once per key (exp error
+      E u): proxy u^2 (Sk (1 + E^2) + 1)(W_d^2 + o_d^2); output rounding u_out |o_d|.
+    * deterministic (slack): s_j - m rounding and exp (u (|s_j - m| + E) per weight), the
+      scale product (u |s_j|), the final division: u (2 max|s| + dist + E + 4)(W_d + |o_d|).
+
+    One group per query row (its elements share the row's weights)."""
+    from ..verify import StatModel
+
+    d = p.derived
+    u = float(np.finfo(p.info.compute).eps) / 2
+    scale = p.params["scale"]
+    g = d["Hq"] // d["Hkv"]
+    q, k, v = x["q"], np.repeat(x["k"], g, axis=1), np.repeat(x["v"], g, axis=1)
+    with np.errstate(all="ignore"):
+        s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+        mag = scale * np.matmul(np.abs(q), np.swapaxes(np.abs(k), -1, -2))
+        keep = keep_matrix(np, d["Sq"], d["Sk"], p.params["causal"], x.get("mask"))
+        keep = np.broadcast_to(True if keep is None else keep, s.shape)
+        s = np.where(keep, s, -np.inf)
+        mx = s.max(axis=-1, keepdims=True) if d["Sk"] else np.zeros(s.shape[:-1] + (1,))
+        dead = ~np.isfinite(mx)
+        e = np.where(keep, np.exp(s - np.where(dead, 0, mx)), 0.0)
+        pr = e / np.where(dead, 1.0, e.sum(axis=-1, keepdims=True))
+        o = np.abs(np.nan_to_num(ref, nan=0.0))
+        w = np.matmul(pr, np.abs(v))
+        c = pr * pr * (u * u * (d["D"] + 1)) * mag * mag
+        score_var = 2.0 * (np.matmul(c, v * v) + o * o * c.sum(axis=-1, keepdims=True))
+        sk_term = d["Sk"] * (1.0 + STAT_EXP_ERR ** 2) + 1.0
+        sigma2 = u * u * sk_term * (w * w + o * o) + score_var + (p.info.unit_roundoff * o) ** 2
+        sabs = np.where(keep, np.abs(s), 0.0).max(axis=-1, keepdims=True) if d["Sk"] else 0.0
+        dist = (np.where(keep, np.abs(s - np.where(dead, 0, mx)), 0.0).max(axis=-1, keepdims=True)
+                if d["Sk"] else 0.0)
+        slack = u * (2.0 * sabs + dist + STAT_EXP_ERR + 4.0) * (w + o)
+    floor = p.info.subnormal + 4.0 * d["Sk"] * float(np.finfo(p.info.compute).tiny)
+    return StatModel(np.sqrt(sigma2), slack + floor, (-1,))
+
+
 SPEC = KernelSpec(
     name="attention",
     operands=(Operand("q"), Operand("k"), Operand("v"),

@@ -146,6 +146,57 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
     return gamma * mag + p.info.unit_roundoff * np.abs(ref) + floor
 
 
+# Probabilistic model (the statistical check, portakern.verify). For one output element let
+# p_k = a_k b_k (exact, float64) and P_j = p_1 + ... + p_j (P_0 = 0) its prefix sums. Any
+# summation tree whose every node adds a contiguous run of k -- sequential, blocked (tiles of
+# TK or KBLOCK partial sums added into the running sum), pairwise, any mix -- has K - 1 nodes,
+# and each node's value s is a difference of two prefix sums, so |s| <= R := max_j P_j -
+# min_j P_j. Each node rounds with error eps*s, |eps| <= u; each product with delta*p, |delta|
+# <= u (0 with FMA); storing the result to the output dtype adds eta*c, |eta| <= u_out. With
+# these errors independent and mean-zero (Higham & Mary 2019), Hoeffding's lemma makes the
+# total error sub-Gaussian with variance proxy
+#     sigma^2 = u^2 (sum_k p_k^2 + (K - 1) R^2) + u_out^2 c^2
+# in every such order, with or without FMA (first order in u; K u << 1). For random-sign data
+# R ~ 1.6 sqrt(K) max|p|, so sigma ~ 1.3 K u where the worst-case bound has 2 K u |A||B|;
+# inputs rounded to TF32 err by ~ 2^-11 sqrt(sum p^2) ~ 2^-11 sqrt(K): at K = 16384 that is
+# ~400 sigma^2 in z^2 (normal data), bf16-rounded inputs ~3e4, a dropped K term ~3e5.
+# Where the hypothesis fails: a *sequential* fp32 sum over thousands of terms with a large
+# common offset (+-1e4 operands) rounds every step the same way once the running sum's ulp
+# exceeds the terms' spread, and its error grows like K, not sqrt(K) (measured 6 sigma at
+# K = 16384): portakern's kernels therefore add KBLOCK-term partial sums into a compensated
+# running sum (matmul.c), as BLAS libraries block K. Underflow: the worst-case floor is the
+# deterministic slack. Errors of different output elements are independent (one group each).
+STAT_CHUNK = 1 << 20  # float64 products materialised at once (8 MiB)
+
+
+def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
+    from ..verify import StatModel
+
+    K = p.derived["K"]
+    u = float(np.finfo(p.info.compute).eps) / 2
+    a, b = x["a"], x["b"]
+    batch = p.derived["batch"]
+    M, N = p.derived["M"], p.derived["N"]
+    a3 = np.broadcast_to(a, batch + a.shape[-2:]).reshape(-1, M, K)
+    b3 = np.broadcast_to(b, batch + b.shape[-2:]).reshape(-1, K, N)
+    bt = np.ascontiguousarray(np.swapaxes(b3, -1, -2))  # (batch, N, K): K contiguous
+    rng = np.empty((a3.shape[0], M, N))
+    sq = np.empty((a3.shape[0], M, N))
+    rows = max(1, STAT_CHUNK // max(1, K * N))
+    with np.errstate(all="ignore"):
+        for z in range(a3.shape[0]):
+            for i0 in range(0, M, rows):
+                pre = a3[z, i0:i0 + rows, None, :] * bt[z, None, :, :]  # (r, N, K) products
+                sq[z, i0:i0 + rows] = np.einsum("rnk,rnk->rn", pre, pre)  # sum_k p_k^2
+                np.cumsum(pre, axis=2, out=pre)  # prefix sums P_1..P_K
+                rng[z, i0:i0 + rows] = (np.maximum(pre.max(axis=2), 0.0)
+                                        - np.minimum(pre.min(axis=2), 0.0))
+        var = sq.reshape(ref.shape) + (K - 1) * (rng * rng).reshape(ref.shape)
+        sigma2 = u * u * var + (p.info.unit_roundoff * ref) ** 2
+    floor = p.info.subnormal + K * float(np.finfo(p.info.compute).tiny)
+    return StatModel(np.sqrt(sigma2), floor)
+
+
 def config_check(p: Problem | None, cfg: Mapping[str, int]) -> str | None:
     if cfg["TM"] * cfg["TN"] * cfg["VEC"] > 512:
         return "TM*TN*VEC exceeds 512 accumulators per work-item; lower one of them."

@@ -160,6 +160,36 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
     return np.nan_to_num(bound, nan=0.0, posinf=0.0)
 
 
+def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
+    """Probabilistic model (the statistical check, portakern.verify), from the analysis above.
+
+    * random (sub-Gaussian, variance proxy sigma^2): S = sum x_j^2 is n - 1 additions of
+      partial sums of non-negative terms (each <= S) plus n squares (each <= S), every one
+      rounding independently with error <= u |value| (Higham & Mary 2019), in any order: S's
+      relative error has proxy u^2 (2n - 1) <= 2 n u^2; it reaches y through q = S/n + eps
+      halved by the square root: 0.5 (ms / q) sqrt(2n) u relative. Output rounding: u_out |y|.
+    * deterministic (slack): everything else in the worst-case bound, none of it growing
+      with n: 0.5 (6 u ms + sigma) / q + 16 u relative, and the absolute floor.
+
+    A row shares its sum, so its elements form one group."""
+    from portakern.verify import StatModel
+
+    xv, w = x["x"], x["weight"]
+    n, eps = p.derived["n"], p.params["eps"]
+    ci = np.finfo(p.info.compute)
+    u, sigma_min = float(ci.eps) / 2, float(ci.tiny)
+    with np.errstate(all="ignore"):
+        s = np.maximum(np.max(np.abs(xv), axis=-1, keepdims=True), 1.0)
+        ms_s = np.mean((xv / s) ** 2, axis=-1, keepdims=True)
+        q_s = ms_s + eps / s / s
+        y = np.abs(np.nan_to_num(ref, nan=0.0))
+        sig = y * np.sqrt((0.5 * ms_s / q_s) ** 2 * 2.0 * n * u * u + p.info.unit_roundoff ** 2)
+        rel = 0.5 * (6 * u * ms_s + sigma_min / s / s) / q_s + 16 * u
+        floor = p.info.subnormal + sigma_min * (1 + math.sqrt(n)) * (1 + np.abs(w))
+        slack = y * rel + floor
+    return StatModel(np.nan_to_num(sig, nan=np.inf), np.nan_to_num(slack, nan=np.inf), (-1,))
+
+
 # --- cases: shapes that break the kernel, values that break the numerics ------------------
 ROW_SIZES = (1, 2, 3, 5, 7, 15, 16, 17, 31, 63, 64, 65, 127, 255, 256, 257, 1000, 1023, 4097)
 BATCHES: tuple[tuple[int, ...], ...] = ((), (1,), (3,), (2, 3), (9,))

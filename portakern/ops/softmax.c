@@ -4,8 +4,14 @@
  * One work-group per row, one read pass for the statistics: each item keeps an online
  * (running max m, running sum s of exp(x - m)) pair over its strided elements, pairs are
  * merged by a tree in local memory, then one pass writes exp(x - m) / s. Stable for any offset;
- * a row of only -inf gives 0 (as a fully masked attention row does); NaN propagates.
+ * a row of only -inf gives 0 (as a fully masked attention row does); NaN propagates, and so
+ * does +inf (exp(inf - inf) is NaN: the row is NaN, as in the oracle).
+ *
+ * Long rows are summed in blocks: each item's (or lane's) sum takes SBLK terms into a block
+ * partial before adding it to its running sum, so a 10^6-element row's sum errs by ~1e-7
+ * relative, not ~1e-5 (one running sum over 62,500 terms per lane).
  */
+#define SBLK 64 /* terms (vectors on the vector paths) per block partial sum */
 PK_DEVICE_FN void pk_merge(PK_ACC_T* m, PK_ACC_T* s, PK_ACC_T m2, PK_ACC_T s2)
 {
     const PK_ACC_T m1 = *m;
@@ -71,19 +77,29 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
 #if VEC > 1 && PK_HAS_VECTOR
             if (nv > 0) {
                 svt sv = (svt)(0);
-                for (int bi = lid; bi < nv; bi += WG) {
-                    const svt e = PK_VEXP(PK_CAT(vload, VEC)(bi, xr) - (svt)(rmax));
-                    PK_CAT(vstore, VEC)(e, bi, yr);
-                    sv += e;
+                for (int b0 = lid; b0 < nv; b0 += WG * SBLK) {
+                    const int bend = min(b0 + WG * SBLK, nv);
+                    svt sp = (svt)(0);
+                    for (int bi = b0; bi < bend; bi += WG) {
+                        const svt e = PK_VEXP(PK_CAT(vload, VEC)(bi, xr) - (svt)(rmax));
+                        PK_CAT(vstore, VEC)(e, bi, yr);
+                        sp += e;
+                    }
+                    sv += sp;
                 }
                 const PK_ACC_T* sl = (const PK_ACC_T*)&sv;
                 for (int l = 0; l < VEC; ++l) sum += sl[l];
             }
 #endif
-            for (int j = j1; j < n; j += WG) {
-                const PK_ACC_T e = exp(PK_LOAD_T(X, base + j * inner) - rmax);
-                PK_STORE_T(Y, base + j * inner, e);
-                sum += e;
+            for (int j0 = j1; j0 < n; j0 += WG * SBLK) {
+                const int jend = min(j0 + WG * SBLK, n);
+                PK_ACC_T sp = (PK_ACC_T)0;
+                for (int j = j0; j < jend; j += WG) {
+                    const PK_ACC_T e = exp(PK_LOAD_T(X, base + j * inner) - rmax);
+                    PK_STORE_T(Y, base + j * inner, e);
+                    sp += e;
+                }
+                sum += sp;
             }
         }
         ls[lid] = sum;
@@ -119,8 +135,10 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
     const int nblk = (inner == 1) ? n / (VEC * UNROLL) : 0;
     if (nblk > 0) {
         const PK_GLOBAL PK_T_T* xr = X + base;
-        vt mv = (vt)(LOWEST), sv = (vt)(0);
-        int anynan = 0;
+        /* sv: the current block's partial sums (SBLK blocks of UNROLL vectors), st: the
+         * earlier blocks'; both are relative to the running max mv and rescaled with it */
+        vt mv = (vt)(LOWEST), sv = (vt)(0), st = (vt)(0);
+        int anynan = 0, nb = 0;
         for (int bi = lid; bi < nblk; bi += WG) {
             vt xs[UNROLL];
             vt bm = mv;
@@ -129,11 +147,19 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
                 anynan |= any(isnan(xs[u]));
                 bm = fmax(bm, xs[u]);
             }
-            vt acc = sv * PK_VEXP(mv - bm);
+            const vt f = PK_VEXP(mv - bm);
+            st *= f;
+            vt acc = sv * f;
             for (int u = 0; u < UNROLL; ++u) acc += PK_VEXP(xs[u] - bm);
             sv = acc;
             mv = bm;
+            if (++nb == SBLK) {
+                st += sv;
+                sv = (vt)(0);
+                nb = 0;
+            }
         }
+        sv += st;
         PK_ACC_T* ml = (PK_ACC_T*)&mv;
         PK_ACC_T* sl = (PK_ACC_T*)&sv;
         m = (PK_ACC_T)LOWEST;

@@ -95,6 +95,45 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
     return np.abs(ref) * rel + floor
 
 
+EXP_ERR = 8.0  # exp's error in units of u (4 ulp: OpenCL allows 3, vexp.c and XLA's are less)
+
+
+def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
+    """Probabilistic model (the statistical check, portakern.verify). With m the row max,
+    S = sum_j exp(x_j - m) and y_i = exp(x_i - m) / S:
+
+    * random (sub-Gaussian, variance proxy sigma^2): the sum's n - 1 additions each round a
+      partial sum of positive terms, |partial| <= S, with error <= u |partial|; an online
+      rescale multiplies a partial sum (<= S) by an exp with error <= EXP_ERR u, at most one
+      per element. Independent mean-zero errors (Higham & Mary 2019) give S a relative error
+      with proxy u^2 (n - 1)(1 + EXP_ERR^2), in every order (sequential, blocked, lane-wise,
+      trees). Rounding y to the output adds u_out |y|. So
+          sigma_i = |y_i| sqrt(u^2 (n - 1)(1 + EXP_ERR^2) + u_out^2).
+    * deterministic (slack): x_i - m rounds (u |x_i - m| relative after exp), exp errs by
+      EXP_ERR u, the same for every term of S (<= u sum_j y_j |x_j - m| + EXP_ERR u), and the
+      reciprocal and product 2u:
+          slack_i = |y_i| u (2 |x_i - m| + 2 sum_j y_j |x_j - m| + 2 EXP_ERR + 4) + floor.
+
+    A row shares S, so its elements form one group (their errors may be correlated)."""
+    from ..verify import StatModel
+
+    xv = x["x"]
+    ax = p.params["axis"]
+    n = p.derived["n"]
+    u = float(np.finfo(p.info.compute).eps) / 2
+    finite = np.isfinite(xv)
+    with np.errstate(all="ignore"):
+        mx = np.max(np.where(finite, xv, -np.inf), axis=ax, keepdims=True)
+        dist = np.where(finite & np.isfinite(mx), np.abs(xv - mx), 0.0)
+        y = np.abs(np.nan_to_num(ref, nan=0.0))
+        wdist = np.sum(y * dist, axis=ax, keepdims=True)
+        sigma = y * np.sqrt(u * u * max(n - 1, 0) * (1 + EXP_ERR ** 2)
+                            + p.info.unit_roundoff ** 2)
+        slack = y * u * (2.0 * dist + 2.0 * wdist + 2.0 * EXP_ERR + 4.0)
+    floor = p.info.subnormal + 4.0 * float(np.finfo(p.info.compute).tiny)
+    return StatModel(sigma, slack + floor, (ax,))
+
+
 SPEC = KernelSpec(
     name="softmax",
     operands=(Operand("x"),),
