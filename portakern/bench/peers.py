@@ -6,7 +6,8 @@ run, on inputs already resident where it computes (uploads are never timed):
 - numpy  — numpy/OpenBLAS (or whatever BLAS numpy loaded) on a CPU target, in a subprocess
   started without OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE (see numpy_worker.py);
 - torch  — PyTorch's CPU kernels (oneDNN/MKL matmul, the fused flash-attention SDPA,
-  softmax, rms_norm) on a CPU target, in that same subprocess, threads = the cores;
+  softmax, the RMSNorm expression) on a CPU target, in a second such subprocess (its
+  OpenMP pool and OpenBLAS's threads would spin against each other in one), threads = cores;
 - xla    — jax.jit of the plain jnp expression (precision HIGHEST, so fp32 is not TF32 on
   GPUs) on the jax device of the same kind;
 - clblast — CLBlast's GEMM through pyclblast on the OpenCL target's own context and queue;
@@ -183,8 +184,9 @@ class NumpyWorker:
         if peer == "numpy":
             m.info.update(self.info)
         else:
-            m.info.update(process="the numpy peer process (started without "
-                          "OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE)", pid=self.hello.get("pid"))
+            m.info.update(process="a peer process of its own (portakern.bench.numpy_worker, "
+                          "started without OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE)",
+                          pid=self.hello.get("pid"))
         return m
 
     def close(self) -> None:
@@ -469,6 +471,10 @@ class Peers:
         self.wanted = tuple(wanted) if wanted else PEER_KEYS
         self._numpy: NumpyWorker | None = None
         self._numpy_error = ""
+        # torch gets a process of its own: its OpenMP pool and OpenBLAS's threads in one
+        # process on a small machine spin against each other between calls
+        self._torch: NumpyWorker | None = None
+        self._torch_error = ""
 
     def numpy_worker(self) -> NumpyWorker | None:
         if self._numpy is None and not self._numpy_error:
@@ -482,9 +488,17 @@ class Peers:
         w = self.numpy_worker() if "numpy" in self.wanted else None
         return w.info if w is not None else {"error": self._numpy_error or "not started"}
 
+    def torch_worker(self) -> NumpyWorker | None:
+        if self._torch is None and not self._torch_error:
+            try:
+                self._torch = NumpyWorker()
+            except Exception as exc:
+                self._torch_error = f"{type(exc).__name__}: {exc}"
+        return self._torch
+
     def pids(self) -> tuple[int, ...]:
         """Process ids of our peer children (their CPU time is ours, not contention)."""
-        return (self._numpy.proc.pid,) if self._numpy is not None else ()
+        return tuple(w.proc.pid for w in (self._numpy, self._torch) if w is not None)
 
     def keys(self, op: str, be: Backend) -> list[str]:
         return [k for k in applicable(op, be) if k in self.wanted]
@@ -509,15 +523,15 @@ class Peers:
                 if importlib.util.find_spec("torch") is None:
                     return not_run("unavailable", "torch is not installed: "
                                    + INSTALL_HINT["torch"])
-                w = self.numpy_worker()
+                w = self.torch_worker()
                 if w is None:
-                    return not_run("error", f"the peer process failed to start: "
-                                   f"{self._numpy_error}")
+                    return not_run("error", f"the torch peer process failed to start: "
+                                   f"{self._torch_error}")
                 try:
                     return w.run(case, timing, peer="torch")
                 except (RuntimeError, BrokenPipeError, OSError) as exc:
-                    self._numpy = None
-                    return not_run("error", f"peer process: {exc}")
+                    self._torch = None
+                    return not_run("error", f"torch peer process: {exc}")
             if key == "xla":
                 return run_xla(be, case, host, timing)
             if key == "clblast":
@@ -533,6 +547,7 @@ class Peers:
         return not_run("unavailable", f"peer {key!r} has no runner")
 
     def close(self) -> None:
-        if self._numpy is not None:
-            self._numpy.close()
-            self._numpy = None
+        for w in (self._numpy, self._torch):
+            if w is not None:
+                w.close()
+        self._numpy = self._torch = None
