@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 import portakern as pk
 from portakern import selection
-from portakern.cases import CASES, Case, Chooser, compare
+from portakern.cases import CASES, Case, Chooser
 from portakern.ops import get_op
+from portakern.verify import Verdict, compare_arrays
 
 
 class HypothesisChooser(Chooser):
@@ -39,12 +40,18 @@ def run_case(op: str, target: str, case: Case) -> Any:
     return pk.call(spec, backend=target, **{k: v for k, v in case.arrays.items()}, **case.params)
 
 
+def compare_case(spec: Any, case: Case, got: Any) -> Verdict:
+    """Both checks (worst-case bound, statistical) through portakern.verify: the code path
+    of pk.verify and `portakern check`."""
+    arrays, params = spec.bind((), dict(case.arrays) | case.params)
+    return compare_arrays(spec, arrays, params, got)
+
+
 def check_case(op: str, target: str, case: Case) -> None:
     got = run_case(op, target, case)
     assert isinstance(got, np.ndarray), f"numpy in must give numpy out; got {type(got)}"
-    v = compare(get_op(op), case, got)
-    assert v.ok, (f"{op} on {target}: error/bound = {v.worst_ratio:.3g} {v.where}; "
-                  f"case {case.describe()}")
+    v = compare_case(get_op(op), case, got)
+    assert v.ok, f"{op} on {target}: case {case.describe()}\n{v}"
 
 
 def draw_case(op: str, data: st.DataObject, dtype: str) -> Case:

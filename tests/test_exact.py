@@ -131,3 +131,14 @@ def test_output_dtype_is_input_dtype(target: str, dtype: str) -> None:
     assert pk.softmax(a, backend=target).dtype == st_
     q = np.ones((1, 1, 4, 4), st_)
     assert pk.attention(q, q, q, backend=target).dtype == st_
+
+
+@pytest.mark.parametrize("k", [4096, 16384])
+def test_integer_matmul_long_k_is_exact(target: str, k: int) -> None:
+    """Integers in [-8, 8]: every partial sum stays below 2^24, so every summation order
+    (sequential, blocked, pairwise) is exact, however long K is."""
+    rng = np.random.default_rng(k)
+    a = rng.integers(-8, 9, (3, k)).astype(np.float32)
+    b = rng.integers(-8, 9, (k, 5)).astype(np.float32)
+    got = pk.matmul(a, b, backend=target)
+    np.testing.assert_array_equal(got, a.astype(np.int64) @ b.astype(np.int64))
