@@ -6,10 +6,10 @@ cost model gives under 2 FLOP per byte). In each group: portakern's best target 
 device first (the target is written under the bar), then the unfused chain (attention), then
 each peer, at most ``MAX_SERIES`` bars (the slowest peers are dropped and named in the
 panel's title when there are more). Every bar carries its % of the roof; ours also its
-application efficiency (best peer time / our time, "1.3×"). The roof of the case on that
-device is a black mark across its group. Other portakern targets on the same device are
-compared in the tables (REPORT.md), not here: one bar per implementation keeps a panel
-readable.
+application efficiency against the fastest peer bar drawn beside it ("1.3×"). The roof of
+the case on that device is a black mark across its group. Other portakern targets on the
+same device are compared in the tables (REPORT.md), not here: one bar per implementation
+keeps a panel readable.
 
 ``fleet_<dtype>.png``: efficiency per device (rows) per case (columns) as a heatmap, colour on
 a log scale centred on parity (green: faster than the best peer, red: slower), each cell
@@ -134,6 +134,13 @@ def _panel_data(recs: Sequence[Mapping[str, Any]], unit: str
         for k in list(peer_total):
             if k in cell:
                 peer_total[k] += math.log(cell[k]["rate"])
+        # ours' efficiency against the fastest peer bar drawn beside it (peer time / ours =
+        # our rate / its rate), so the label agrees with the bars even when the peers were
+        # measured faster beside another target
+        rates = [v["rate"] for k, v in cell.items() if k not in ("roof", "ours", "unfused")
+                 and v and v.get("rate")]
+        if "ours" in cell and rates and cell["ours"].get("rate"):
+            cell["ours"]["eff"] = cell["ours"]["rate"] / max(rates)
         data[lab] = cell
     order = ["ours", "unfused"] + sorted(peer_total, key=lambda k: -peer_total[k])
     present = [k for k in order if any(k in data[lab] for lab in labels)]
