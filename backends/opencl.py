@@ -82,9 +82,23 @@ class OpenCLBackend(KernelBackend):
     array_modules = ("pyopencl",)
     install_hint = ("pip install 'portakern[opencl]' and an OpenCL driver: "
                     "apt-get install pocl-opencl-icd (CPU) or your GPU vendor's ICD")
+    extra_build_options: tuple[str, ...] = ()  # per device (the simulator: -cl-opt-disable)
+
+    def __new__(cls, selector: str | None = None) -> OpenCLBackend:
+        if cls is OpenCLBackend and selector:  # opencl:oclgrind: the simulator's own subclass
+            from .oclgrind import simulator_class
+
+            cls = simulator_class(selector) or cls
+        return super().__new__(cls)
 
     @classmethod
     def _probe(cls) -> Availability:
+        from .oclgrind import add_simulator  # opencl:oclgrind, one more device when installed
+
+        return add_simulator(cls._probe_devices())
+
+    @classmethod
+    def _probe_devices(cls) -> Availability:
         if cl is None:
             return Availability(False, f"pyopencl is not importable ({_IMPORT_ERROR})",
                                 "pip install 'portakern[opencl]'")
@@ -117,6 +131,8 @@ class OpenCLBackend(KernelBackend):
             return []
         out = []
         for d in av.devices:
+            if d.extra.get("simulator"):  # opencl:oclgrind is slow: only ever on request
+                continue
             score = 80 if d.kind == "gpu" else 40 if d.kind == "accelerator" else 30
             out.append((score, f"opencl:{d.index}",
                         f"OpenCL {d.kind} {d.name} ({d.platform})"))
@@ -127,8 +143,12 @@ class OpenCLBackend(KernelBackend):
         if not av.available:
             raise BackendUnavailable(f"opencl cannot run here: {av.reason}. Fix: {av.fix}.")
         if selector in (None, ""):
-            gpus = [d for d in av.devices if d.kind == "gpu"]
-            info = (gpus or av.devices)[0]
+            real = [d for d in av.devices if not d.extra.get("simulator")]
+            if not real:
+                raise BackendUnavailable("the only OpenCL device here is the Oclgrind simulator;"
+                                         " select it by name: opencl:oclgrind")
+            gpus = [d for d in real if d.kind == "gpu"]
+            info = (gpus or real)[0]
         else:
             try:
                 idx = int(selector)
@@ -142,7 +162,7 @@ class OpenCLBackend(KernelBackend):
                     f"opencl:{idx} does not exist; this machine has {len(av.devices)} OpenCL "
                     "device(s): " + "; ".join(f"opencl:{d.index} = {d.name}" for d in av.devices))
             info = av.devices[idx]
-        _, self._cl_device = _all_devices()[info.index]
+        self._cl_device = self._device_handle(info)
         self.ctx = cl.Context([self._cl_device])
         self._empty_meta: dict[tuple[tuple[int, ...], str], tuple[Any, ...]] = {}
         self._fast_empty = True  # False: pyopencl changed, arrays come from cla.empty
@@ -153,6 +173,17 @@ class OpenCLBackend(KernelBackend):
 
             self._pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
         return info
+
+    @classmethod
+    def test_targets(cls) -> list[str]:
+        """Every device but the simulator: opencl:oclgrind has its own sweep (test_simulator)."""
+        av = cls.probe()
+        return [f"opencl:{d.index}" for d in av.devices
+                if not d.extra.get("simulator")] if av.available else []
+
+    def _device_handle(self, info: DeviceInfo) -> Any:
+        """The pyopencl Device behind a probed DeviceInfo (the simulator overrides it)."""
+        return _all_devices()[info.index][1]
 
     # arrays
     def is_native(self, x: object) -> bool:
@@ -273,7 +304,7 @@ class OpenCLBackend(KernelBackend):
 
     # kernels
     def compile(self, source: str, entry_points: tuple[str, ...]) -> dict[str, Any]:
-        options = list(BUILD_OPTIONS)
+        options = list(BUILD_OPTIONS) + list(self.extra_build_options)
         prg = cl.Program(self.ctx, source)
         try:
             prg = prg.build(options=options, devices=[self._cl_device], cache_dir=_cache_dir())

@@ -11,6 +11,7 @@ from .errors import (
     DeviceMemoryError,
     DTypeError,
     InvalidArgumentError,
+    KernelFaultError,
     NotAnArrayError,
     PortakernError,
     ShapeError,
@@ -28,7 +29,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArrayMeta", "BackendUnavailable", "Buf", "CompileError", "Cost", "DTypeError",
-    "DeviceMemoryError", "InvalidArgumentError", "KernelSpec", "Launch", "NotAnArrayError",
+    "DeviceMemoryError", "InvalidArgumentError", "KernelFaultError", "KernelSpec", "Launch",
+    "NotAnArrayError",
     "Operand", "PortakernError", "Problem", "Scalar", "ShapeError", "SpecError", "Tunable",
     "UnknownBackendError", "UnsupportedDTypeError", "attention", "backends", "call",
     "explain", "matmul", "register_cases", "register_op", "rmsnorm", "softmax", "to_backend",

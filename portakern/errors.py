@@ -56,6 +56,31 @@ class CompileError(PortakernError, RuntimeError):
         super().__init__(full)
 
 
+class KernelFaultError(PortakernError, RuntimeError):
+    """A checking device (the Oclgrind simulator, ``opencl:oclgrind``) saw a kernel misbehave:
+    a data race, an out-of-bounds access, a use of an uninitialised value or invalid API use.
+
+    ``kernel``, ``kind`` and ``line`` describe the first report; ``reports`` holds every
+    distinct one (kind, line, source line, work-items, headline) and ``log`` the simulator's
+    own text."""
+
+    def __init__(self, message: str, *, kernel: str = "", kind: str = "", line: int | None = None,
+                 source_line: str = "", work_items: tuple[str, ...] = (),
+                 reports: tuple = (), log: str = "") -> None:
+        self.kernel = kernel
+        self.kind = kind
+        self.line = line
+        self.source_line = source_line
+        self.work_items = tuple(work_items)
+        self.reports = tuple(reports)
+        self.log = log
+        super().__init__(message)
+
+
+class DeviceMemoryError(PortakernError, MemoryError):
+    """A device allocation failed; the message names the requested and available sizes."""
+
+
 class DeviceMemoryError(PortakernError, MemoryError):
     """A device allocation failed; the message names the requested and available sizes."""
 
