@@ -7,6 +7,7 @@ and every other backend keeps working. This module is the only place that names 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import threading
 import types
@@ -26,15 +27,30 @@ ENTRY_POINT_GROUP = "portakern.backends"
 _LOCK = threading.Lock()
 _CLASSES: dict[str, type[Backend] | Availability] = {}
 _EXTRA: dict[str, str | type[Backend]] = {}
+# The entry points are read once per process (importlib.metadata scans every installed
+# distribution: ~1 ms, which automatic selection used to pay on every call) and again only
+# on request: refresh() (``pk.refresh_backends()``), e.g. after installing a plugin.
+_ENTRY_POINTS: dict[str, object] | None = None
+
+
+def _entry_points() -> dict[str, object]:
+    global _ENTRY_POINTS
+    got = _ENTRY_POINTS
+    if got is None:
+        got = {}
+        try:
+            for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+                got.setdefault(ep.name, ep)
+        except Exception:  # broken metadata must not break the in-tree backends
+            pass
+        _ENTRY_POINTS = got
+    return got
 
 
 def _targets() -> dict[str, object]:
     table: dict[str, object] = dict(IN_TREE)
-    try:
-        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            table.setdefault(ep.name, ep)
-    except Exception:  # broken metadata must not break the in-tree backends
-        pass
+    for name, ep in (_ENTRY_POINTS if _ENTRY_POINTS is not None else _entry_points()).items():
+        table.setdefault(name, ep)
     table.update(_EXTRA)
     return table
 
@@ -44,11 +60,35 @@ def names() -> list[str]:
     return list(_targets())
 
 
+def refresh() -> None:
+    """Read the ``portakern.backends`` entry points again (after installing or removing a
+    plugin in this process) and forget the classes and availability loaded from them.
+
+    Public as ``portakern.refresh_backends()``. Backend instances already created stay as they
+    are; selectors resolved from now on see the new table."""
+    global _ENTRY_POINTS
+    with _LOCK:
+        _ENTRY_POINTS = None
+        for name in [n for n in _CLASSES if n not in IN_TREE and n not in _EXTRA]:
+            got = _CLASSES.pop(name)
+            if isinstance(got, type):
+                Backend._probe_cache.pop(got, None)
+
+
 def register_backend(name: str, target: str | type[Backend]) -> None:
     """Register a backend class (or 'module:Class') under a name, e.g. from a plugin."""
     with _LOCK:
         _EXTRA[name] = target
         _CLASSES.pop(name, None)
+
+
+def _reset_lock_after_fork() -> None:  # another thread may have held it at the fork
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_after_fork)
 
 
 def load(name: str) -> type[Backend] | Availability:

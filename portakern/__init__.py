@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from . import backends  # the registry; calling it lists every backend
 from .api import attention, call, matmul, rmsnorm, softmax
+from .backends import refresh as refresh_backends
 from .cases import register_cases
 from .errors import (
     BackendUnavailable,
@@ -33,6 +34,7 @@ __all__ = [
     "NotAnArrayError",
     "Operand", "PortakernError", "Problem", "Scalar", "ShapeError", "SpecError", "Tunable",
     "UnknownBackendError", "UnsupportedDTypeError", "attention", "backends", "call",
-    "explain", "matmul", "register_cases", "register_op", "rmsnorm", "softmax", "to_backend",
+    "explain", "matmul", "refresh_backends", "register_cases", "register_op", "rmsnorm",
+    "softmax", "to_backend",
     "unregister_op", "use", "Verdict", "verify",
 ]
