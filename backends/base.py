@@ -9,7 +9,10 @@ beyond what the spec hands it.
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -18,7 +21,7 @@ import numpy as np
 
 from portakern import codegen, dtypes, tune
 from portakern.errors import DTypeError, InvalidArgumentError, ShapeError, UnsupportedDTypeError
-from portakern.host import host_operands
+from portakern.host import check_host_memory, host_copy_bytes, host_operands, nbytes_of
 from portakern.spec import Buf, KernelSpec, Launch, Problem, Scalar
 
 
@@ -75,6 +78,96 @@ class TransferCounter:
                 "d2h_bytes": self.d2h_bytes}
 
 
+_INSTANCES: weakref.WeakSet = weakref.WeakSet()  # every Backend instance of this process
+
+
+def _cache_bound(env: str, default: int) -> int:
+    try:
+        return max(1, int(os.environ.get(env, default)))
+    except ValueError:
+        return default
+
+
+# Bounds of the compiled-code caches (each entry holds a compiled program or executable, about
+# 1 MiB of host memory on PoCL and XLA:CPU): least recently used entries are dropped beyond.
+KERNEL_CACHE_SIZE = _cache_bound("PORTAKERN_KERNEL_CACHE_SIZE", 128)  # per C-kernel backend
+FUNCTION_CACHE_SIZE = _cache_bound("PORTAKERN_FUNCTION_CACHE_SIZE", 64)  # per jax backend
+
+
+class LRUCache:
+    """A dict-like cache of at most ``maxsize`` entries; ``get`` marks an entry recently used
+    and a store beyond the bound evicts the least recently used one (``on_evict`` is then
+    called, e.g. to drop what referenced it). Not thread-safe by itself: writers hold the
+    owner's lock; a concurrent reader may at worst miss and rebuild."""
+
+    def __init__(self, maxsize: int, on_evict: Any = None) -> None:
+        self.maxsize = int(maxsize)
+        self._data: OrderedDict = OrderedDict()
+        self._on_evict = on_evict
+        self.evictions = 0
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        data = self._data
+        try:
+            value = data[key]
+        except KeyError:
+            return default
+        try:
+            data.move_to_end(key)
+        except KeyError:  # evicted by another thread meanwhile
+            pass
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        data = self._data
+        data[key] = value
+        data.move_to_end(key)
+        while len(data) > self.maxsize:
+            data.popitem(last=False)
+            self.evictions += 1
+            if self._on_evict is not None:
+                self._on_evict()
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._data[key]
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __iter__(self) -> Any:
+        return iter(list(self._data))
+
+    def keys(self) -> Any:
+        return list(self._data.keys())
+
+    def values(self) -> Any:
+        return list(self._data.values())
+
+    def items(self) -> Any:
+        return list(self._data.items())
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        return self._data.pop(key, *default)
+
+    def clear(self) -> None:
+        self._data.clear()
+
+
+def _backends_after_fork_in_child() -> None:
+    for inst in list(_INSTANCES):
+        try:
+            inst.after_fork_in_child()
+        except Exception:  # pragma: no cover - a hook must never break the child
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_backends_after_fork_in_child)
+
+
 NOT_PLANNED = object()  # call_site / _run_planned: "not a planned call; take the general path"
 
 
@@ -123,6 +216,14 @@ class Backend:
         return []
 
     @classmethod
+    def canonical_device(cls, device: str | None) -> str | None:
+        """The one spelling of a device selector ('' and None = the default device), so that
+        selectors naming the same device share one instance (one context). Called after a
+        successful probe; a selector it cannot make sense of is returned as is, for ``_open``
+        to refuse with its own message. Default: unchanged."""
+        return device
+
+    @classmethod
     def test_targets(cls) -> list[str]:
         """Selectors the shared test suite runs on: by default every device of the backend."""
         av = cls.probe()
@@ -134,6 +235,14 @@ class Backend:
         self.transfers = TransferCounter()
         self.device: DeviceInfo = self._open(selector)
         self._lock = threading.RLock()
+        _INSTANCES.add(self)
+
+    def after_fork_in_child(self) -> None:
+        """Called in a child made by fork() for every backend instance the parent had: locks
+        another thread may have held at the fork are made anew. A backend whose device runtime
+        cannot survive fork refuses its operations here (opencl, jax on accelerators)."""
+        self._lock = threading.RLock()
+        self.transfers._lock = threading.Lock()
 
     def _open(self, selector: str | None) -> DeviceInfo:
         raise NotImplementedError
@@ -223,11 +332,13 @@ class Backend:
                     native_out = True
                 else:
                     all_native = False
-        if not all_native:
-            present = dict(self.checked_host_operands(present))
         if out is not None:
             self.check_out(spec, prob, out)
+            self.check_no_alias(spec, out, present.items())
             native_out = True
+        self.check_memory(spec, prob, present, out)
+        if not all_native:
+            present = dict(self.checked_host_operands(present))
         if prob.empty_result:
             res = self.zeros(prob.out_shape, prob.dtype)
             if out is None:
@@ -240,6 +351,43 @@ class Backend:
             return self.execute(spec, prob, ins, config, out=out)  # type: ignore[call-arg]
         res = self.execute(spec, prob, ins, config)
         return res if native_out else self.to_numpy(res)
+
+    # --- memory judged before it is spent ---------------------------------------------------
+    def device_buffers(self, spec: KernelSpec, prob: Problem, present: Mapping[str, Any],
+                       out: Any) -> list[tuple[str, int]]:
+        """(what, bytes) of every buffer this call would allocate on the device, from the
+        shapes: an upload per host operand, and the output unless ``out=`` is given."""
+        is_native = self.is_native
+        parts = [(f"device copy of {k!r}", nbytes_of(v)) for k, v in present.items()
+                 if not is_native(v)]
+        if out is None:
+            n = 1
+            for d in prob.out_shape:
+                n *= int(d)
+            parts.append((f"output {tuple(prob.out_shape)} {prob.dtype}",
+                          n * prob.info.storage.itemsize))
+        return parts
+
+    def check_device_buffers(self, spec: KernelSpec, parts: list[tuple[str, int]]) -> None:
+        """Refuse (DeviceMemoryError) what the device cannot allocate. Default: no limits
+        known beyond the host budget."""
+
+    def check_memory(self, spec: KernelSpec, prob: Problem, present: Mapping[str, Any],
+                     out: Any) -> None:
+        """Every allocation a call would make, sized from the shapes and judged before any is
+        made: the device's own limits (``check_device_buffers``), then the host budget
+        (portakern.host) for host copies, plus the device buffers when the device's memory
+        is host memory (a CPU device)."""
+        try:
+            dev = self.device_buffers(spec, prob, present, out)
+            host = [(f"host copy of {k!r}", host_copy_bytes(v)) for k, v in present.items()
+                    if not self.is_native(v)]
+        except (TypeError, ValueError, AttributeError):
+            return  # an operand without a real shape: host_operand refuses it next
+        self.check_device_buffers(spec, dev)
+        if self.device.kind == "cpu":
+            host += dev
+        check_host_memory(f"{spec.name} on {self.label}", host)
 
     def checked_host_operands(self, arrays: Mapping[str, Any]) -> Mapping[str, Any]:
         """Non-native operands replaced by their checked host arrays (see ``run``)."""
@@ -261,6 +409,57 @@ class Backend:
             raise DTypeError(f"{spec.name}: out= has dtype {dtypes.dtype_name(out.dtype)}; "
                              f"expected {prob.dtype}.")
         self.prepare_native("out", out)
+        self.check_writable(spec, out)
+
+    def check_writable(self, spec: KernelSpec, out: Any) -> None:
+        """Refuse an ``out=`` array the device may not write (default: nothing to check)."""
+
+    def memory_span(self, x: Any) -> tuple[Any, int, int] | None:
+        """(memory object, first byte, end byte) of a native array, for the aliasing check;
+        None when unknown or empty. Default: the array interfaces (numpy, CuPy), in one
+        address space per interface."""
+        for attr, space in (("__cuda_array_interface__", "cuda"), ("__array_interface__", "host")):
+            try:
+                iface = getattr(x, attr)
+            except Exception:
+                continue
+            if iface is None:
+                continue
+            ptr = int(iface["data"][0])
+            itemsize = int(np.dtype(iface["typestr"]).itemsize)
+            shape = tuple(iface["shape"])
+            if not ptr or not all(shape):
+                return None
+            strides = iface.get("strides")
+            if strides is None:
+                return space, ptr, ptr + itemsize * int(np.prod(shape))
+            lo = ptr + sum(s * (n - 1) for s, n in zip(strides, shape) if s < 0)
+            hi = ptr + itemsize + sum(s * (n - 1) for s, n in zip(strides, shape) if s > 0)
+            return space, lo, hi
+        return None
+
+    def check_no_alias(self, spec: KernelSpec, out: Any, operands: Any) -> None:
+        """Refuse ``out=`` that shares memory with any native operand: kernels read their
+        inputs while they write, so an overlap gives silently wrong results (none of
+        portakern's ops is documented to work in place)."""
+        span = self.memory_span(out)
+        if span is None:
+            return
+        for name, x in operands:
+            if x is None or not self.is_native(x):
+                continue  # a host operand is copied before upload: it cannot alias
+            other = self.memory_span(x)
+            if other is None:
+                continue
+            if other[0] == span[0] and other[1] < span[2] and span[1] < other[2]:
+                from portakern.errors import AliasingError
+
+                raise AliasingError(
+                    f"{spec.name}: out= overlaps input {name!r} (bytes {other[1] - span[1]:+d}"
+                    f" relative to out=, {other[2] - other[1]} bytes long); the kernel would "
+                    "read what it has already overwritten, a silently wrong result. Expected "
+                    "an out= array that shares no memory with any input: allocate a separate "
+                    "one, or drop out= and use the returned array.")
 
     def fill_zero(self, out: Any) -> None:
         out.fill(0)
@@ -299,13 +498,21 @@ class KernelBackend(Backend):
 
     def __init__(self, selector: str | None = None) -> None:
         super().__init__(selector)
-        self._kernels: dict[tuple, Any] = {}
+        # compiled programs, LRU-bounded (KERNEL_CACHE_SIZE): attention's head dims are
+        # #defines, so every new D would otherwise keep one more program for good. An
+        # eviction drops the plans too (they hold the evicted program's kernels).
+        self._kernels: LRUCache = LRUCache(KERNEL_CACHE_SIZE, self._drop_plans)
         self._configs: dict[tuple, dict[str, int]] = {}
         self._plans: dict[tuple, LaunchPlan] = {}
         # id(problem) -> (problem, plan, tuning generation): the repeated-call fast path
         self._hot: dict[int, tuple[Problem, LaunchPlan, int]] = {}
         # site_key -> the same triple: a repeated positional pk.call (call_site)
         self._sites: dict[tuple, tuple[Problem, LaunchPlan, int]] = {}
+
+    def _drop_plans(self) -> None:
+        self._plans.clear()
+        self._hot.clear()
+        self._sites.clear()
 
     def call_site(self, spec: KernelSpec, args: Sequence[Any], out: Any) -> Any:
         """A repeated positional call in one dict lookup (the issue's dispatch bound): its
@@ -325,6 +532,7 @@ class KernelBackend(Backend):
                 return NOT_PLANNED
         if out is not None:
             self.check_out(spec, prob, out)
+            self.check_no_alias(spec, out, zip(spec._operand_names, args))
         prepare = self.prepare_native
         bufs = {}
         for name, a in zip(spec._operand_names, args):
@@ -382,6 +590,7 @@ class KernelBackend(Backend):
             return NOT_PLANNED
         if out is not None:
             self.check_out(spec, prob, out)
+            self.check_no_alias(spec, out, bufs.items())
         prepare = self.prepare_native
         for k, v in bufs.items():
             bufs[k] = prepare(k, v)
@@ -426,6 +635,8 @@ class KernelBackend(Backend):
         cfg = self._configs.get(key)
         if cfg is None:
             cfg = self.tuned_config(spec, prob) or spec.config(self.device_class, None, prob)
+            if len(self._configs) > 4096:  # bounded, like the plan cache
+                self._configs.clear()
             self._configs[key] = cfg
         return cfg
 

@@ -45,7 +45,7 @@ from portakern.errors import (
 from portakern.host import native_byte_order
 from portakern.spec import KernelSpec, Problem
 
-from .base import Availability, Backend, DeviceInfo
+from .base import FUNCTION_CACHE_SIZE, Availability, Backend, DeviceInfo, LRUCache, _cache_bound
 
 try:  # optional dependency: guarded, with an install hint in the availability record
     import jax
@@ -134,6 +134,45 @@ def lower_semantics(spec: KernelSpec, params: Mapping[str, Any], dtype: str) -> 
         return spec.semantics(XP, *args, **static).astype(storage)
 
     return lowered
+
+
+def lower_semantics_traced(spec: KernelSpec, params: Mapping[str, Any], traced: tuple[str, ...],
+                           dtype: str) -> Any:
+    """``f(*operands, *values)``: like ``lower_semantics``, with the parameters named in
+    ``traced`` passed as (traced) arguments after the operands instead of baked in as
+    constants: one compiled function serves every ``scale`` or ``eps``."""
+    info = dtypes.info(dtype)
+    compute, storage = np.dtype(info.compute), np.dtype(info.storage)
+    kinds = tuple(o.kind for o in spec.operands)
+    n = len(kinds)
+    static = {k: v for k, v in params.items() if k not in traced}
+
+    def lowered(*arrays: Any) -> Any:
+        args = [None if x is None else (x.astype(bool) if kind == "bool" else x.astype(compute))
+                for x, kind in zip(arrays[:n], kinds, strict=True)]
+        kw = dict(static)
+        kw.update(zip(traced, arrays[n:]))
+        return spec.semantics(XP, *args, **kw).astype(storage)
+
+    return lowered
+
+
+def traced_params(spec: KernelSpec, params: Mapping[str, Any]) -> tuple[str, ...]:
+    """The parameters that are traced arguments rather than compile-time constants: every
+    real-valued (float) parameter, such as attention's ``scale`` and rmsnorm's ``eps``, unless
+    the spec lists it in ``static_params`` (an optional KernelSpec attribute) or its
+    semantics turned out to need a concrete value (then every parameter of it is static)."""
+    if spec.token in _STATIC_SPECS:
+        return ()
+    static = getattr(spec, "static_params", ()) or ()
+    return tuple(k for k, v in params.items()
+                 if isinstance(v, float) and k not in static)
+
+
+_STATIC_SPECS: set[int] = set()  # spec tokens whose semantics branch on a parameter's value
+# Each jitted function may hold one executable per input shape; beyond this many in all (per
+# backend instance), least recently used functions are dropped with their executables.
+EXECUTABLE_CACHE_SIZE = _cache_bound("PORTAKERN_EXECUTABLE_CACHE_SIZE", 64)
 
 
 def _freeze(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -231,7 +270,9 @@ class JaxBackend(Backend):
                 f"jax device selector {selector!r} is not understood; expected jax, jax:cpu, "
                 "jax:gpu, jax:tpu, jax:N (device index), jax:pallas, jax:pallas_cpu|gpu|tpu|N.")
         self._jax_device = _device_list()[info.index]
-        self._fns: dict[tuple, Any] = {}
+        # jitted functions, LRU-bounded (FUNCTION_CACHE_SIZE), and the executables they hold
+        # bounded in all by EXECUTABLE_CACHE_SIZE (see ``execute``)
+        self._fns: LRUCache = LRUCache(FUNCTION_CACHE_SIZE)
         self._fn_lock = threading.Lock()
         self._pending: Any = None
         self.dlpack_imports = 0
@@ -343,29 +384,56 @@ class JaxBackend(Backend):
     # --- execution ------------------------------------------------------------------------
     def compiled(self, spec: KernelSpec, prob: Problem,
                  config: Mapping[str, int] | None = None) -> Any:
-        """The jitted callable for (spec, static params, dtype, path, blocks); built once."""
+        """The jitted callable for (spec, static params, dtype, path, blocks); built once.
+
+        Float parameters (``traced_params``) are arguments, not constants, on the XLA path:
+        a new ``scale`` or ``eps`` reuses the function and its executables. The Pallas
+        kernel builder takes its parameters as Python values, so there they stay static (and
+        the cache's LRU bound applies). Call it as ``fn(*operands, *traced values)``; the
+        traced names are ``fn.portakern_traced``."""
         use_pallas = self.pallas and spec.pallas is not None
         blocks = self._pallas_blocks(spec, prob, config) if use_pallas else None
         if not use_pallas and config:
             spec.config(self.device_class, config, prob)  # same validation as other backends
-        key = (spec.name, spec.token, _freeze(prob.params), prob.dtype, use_pallas,
+        traced = () if use_pallas else traced_params(spec, prob.params)
+        static = {k: v for k, v in prob.params.items() if k not in traced}
+        key = (spec.name, spec.token, _freeze(static), traced, prob.dtype, use_pallas,
                tuple(sorted((blocks or {}).items())))
         fn = self._fns.get(key)
         if fn is None:
             with self._fn_lock:
                 fn = self._fns.get(key)
                 if fn is None:
-                    lowered = lower_semantics(spec, prob.params, prob.dtype)
                     if use_pallas:
+                        lowered = lower_semantics(spec, prob.params, prob.dtype)
                         kernel = spec.pallas(prob, self.interpret, platform=self.device.kind,
                                              reference=lowered, **(blocks or {}))
                         if self.interpret and prob.dtype == "bfloat16":
                             kernel = _widened(kernel, jnp.bfloat16)
                         fn = jax.jit(kernel)
                     else:
-                        fn = jax.jit(lowered)
+                        fn = jax.jit(lower_semantics_traced(spec, prob.params, traced,
+                                                            prob.dtype))
+                    fn = _Compiled(fn, traced, key)
                     self._fns[key] = fn
         return fn
+
+    def _bound_executables(self, current: Any) -> None:
+        """After a compilation: drop least recently used functions (and so their
+        executables) until at most EXECUTABLE_CACHE_SIZE remain; the current function is
+        dropped last (the next call rebuilds it)."""
+        with self._fn_lock:
+            fns = self._fns
+            total = sum(f.executables() for f in fns.values())
+            for key in fns.keys():
+                if total <= EXECUTABLE_CACHE_SIZE:
+                    break
+                f = fns.get(key) if key != current.key else None
+                if f is not None:
+                    total -= f.executables()
+                    fns.pop(key, None)
+            if total > EXECUTABLE_CACHE_SIZE:
+                fns.pop(current.key, None)
 
     def _pallas_blocks(self, spec: KernelSpec, prob: Problem,
                        config: Mapping[str, int] | None) -> dict[str, int]:
@@ -392,8 +460,21 @@ class JaxBackend(Backend):
     def execute(self, spec: KernelSpec, prob: Problem, ins: dict[str, Any],
                 config: Mapping[str, int] | None) -> Any:
         fn = self.compiled(spec, prob, config)
+        args = [ins.get(o.name) for o in spec.operands]
+        params = prob.params
+        args += [params[k] for k in fn.traced]
+        before = fn.executables()
         try:
-            out = fn(*[ins.get(o.name) for o in spec.operands])
+            out = fn.jitted(*args)
+        except jax.errors.ConcretizationTypeError:
+            if not fn.traced:
+                raise
+            # the semantics need a parameter's value (Python control flow on it): compile
+            # this spec with constants from now on
+            _STATIC_SPECS.add(spec.token)
+            with self._fn_lock:
+                self._fns.pop(fn.key, None)
+            return self.execute(spec, prob, ins, config)
         except Exception as exc:
             if not _is_oom(exc):
                 raise
@@ -402,7 +483,27 @@ class JaxBackend(Backend):
                             "temporaries)", nbytes, exc) from None
         if not _is_tracer(out):
             self._pending = out
+        if fn.executables() > before:  # compiled a new shape: keep the total bounded
+            self._bound_executables(fn)
         return out
+
+
+class _Compiled:
+    """A jitted function, the parameter names it takes as traced arguments, its cache key."""
+
+    __slots__ = ("jitted", "traced", "key", "__weakref__")
+
+    def __init__(self, jitted: Any, traced: tuple[str, ...], key: tuple) -> None:
+        self.jitted = jitted
+        self.traced = traced
+        self.key = key
+
+    def executables(self) -> int:
+        size = getattr(self.jitted, "_cache_size", None)
+        try:
+            return int(size()) if size is not None else 0
+        except Exception:
+            return 0
 
 
 def _is_oom(exc: BaseException) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from portakern import dtypes
-from portakern.host import host_operand
+from portakern.host import host_operand, nbytes_of
 from portakern.spec import KernelSpec, Problem
 
 from .base import Availability, Backend, DeviceInfo
@@ -33,6 +33,10 @@ class NumpyBackend(Backend):
     def auto_choices(cls) -> list[tuple[int, str, str]]:
         return [(0, "numpy", "the float64 reference; no faster backend is usable here")]
 
+    @classmethod
+    def canonical_device(cls, device: str | None) -> str | None:
+        return "0" if device in (None, "", "0", "cpu") else device
+
     def _open(self, selector: str | None) -> DeviceInfo:
         if selector not in (None, "", "0", "cpu"):
             from portakern.errors import UnknownBackendError
@@ -51,6 +55,20 @@ class NumpyBackend(Backend):
         # any layout and byte order is fine here (the oracle converts to float64), but the data
         # must be what validation saw: host_operand refuses shape/dtype stand-ins
         return host_operand(name, x, contiguous=False)
+
+    def device_buffers(self, spec: KernelSpec, prob: Problem, present: Mapping[str, Any],
+                       out: Any) -> list[tuple[str, int]]:
+        """The oracle's own copies: every operand in float64 (a broadcast view in full), the
+        float64 result and its cast to the output dtype."""
+        parts = [(f"float64 copy of {k!r}", nbytes_of(v) // max(1, np.dtype(v.dtype).itemsize)
+                  * 8) for k, v in present.items()]
+        n = 1
+        for d in prob.out_shape:
+            n *= int(d)
+        parts.append((f"float64 result {tuple(prob.out_shape)}", n * 8))
+        parts.append((f"output {tuple(prob.out_shape)} {prob.dtype}",
+                      n * prob.info.storage.itemsize))
+        return parts
 
     def to_native(self, x: np.ndarray) -> np.ndarray:
         return x

@@ -10,6 +10,7 @@ default, which the tolerance rules allow); fp16 storage uses core vload_half/vst
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from portakern.errors import (
     BackendUnavailable,
     CompileError,
     DeviceMemoryError,
+    ForkedProcessError,
     UnknownBackendError,
 )
 from portakern.host import native_byte_order
@@ -65,7 +67,48 @@ def _kind(dev: Any) -> str:
     return "accelerator"
 
 
+# --- fork ----------------------------------------------------------------------------------
+# An OpenCL driver does not survive fork: PoCL's worker threads (and a GPU driver's state) are
+# not copied into the child, so the child's first upload or kernel waits forever, even on a
+# context it creates itself (measured on PoCL 3.1: a fresh context in the child hangs too).
+# So once this process has initialised OpenCL (listed its platforms), a forked child refuses
+# every OpenCL operation at once with ForkedProcessError; children made by spawn or forkserver
+# start clean and work. Nothing else changes in the child: numpy (and jax on CPU) keep working.
+_INITIALISED = False  # this process has called into the OpenCL ICD
+_FORKED = False  # ... and this process is a fork of one that had
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every OpenCLBackend instance of this process
+
+FORK_FIX = ("create worker processes with the spawn or forkserver start method, e.g. "
+            "multiprocessing.get_context('spawn').Pool(...) or "
+            "concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("
+            "'forkserver')), or use OpenCL only in the children")
+
+
+def fork_error(what: str = "OpenCL") -> ForkedProcessError:
+    return ForkedProcessError(
+        f"{what} cannot be used in this process: it was created by fork() after its parent "
+        f"(pid {os.getppid()}) had initialised OpenCL, and OpenCL drivers do not survive fork "
+        f"(the first upload would wait forever). Fix: {FORK_FIX}.")
+
+
+def _after_fork_in_child() -> None:
+    global _FORKED
+    if not _INITIALISED:
+        return  # nothing was initialised before the fork: the child may start OpenCL itself
+    _FORKED = True
+    for inst in list(_LIVE):
+        inst._disable_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _all_devices() -> list[tuple[Any, Any]]:
+    global _INITIALISED
+    if _FORKED:
+        raise fork_error()
+    _INITIALISED = True
     out = []
     for plat in cl.get_platforms():
         try:
@@ -138,7 +181,25 @@ class OpenCLBackend(KernelBackend):
                         f"OpenCL {d.kind} {d.name} ({d.platform})"))
         return out
 
+    @classmethod
+    def canonical_device(cls, device: str | None) -> str | None:
+        """'', None (automatic) -> the default device's index; '00' -> '0'. Names (such as
+        'oclgrind') are kept for ``_open``."""
+        av = cls.probe()
+        if device in (None, ""):
+            real = [d for d in av.devices if not d.extra.get("simulator")]
+            if not real:
+                return device
+            gpus = [d for d in real if d.kind == "gpu"]
+            return str((gpus or real)[0].index)
+        if device.isdigit():
+            return str(int(device))
+        named = [d for d in av.devices if d.extra.get("simulator") and device == "oclgrind"]
+        return str(named[0].index) if named else device
+
     def _open(self, selector: str | None) -> DeviceInfo:
+        if _FORKED:
+            raise fork_error(f"opencl:{selector}" if selector else "opencl")
         av = self.probe()
         if not av.available:
             raise BackendUnavailable(f"opencl cannot run here: {av.reason}. Fix: {av.fix}.")
@@ -151,6 +212,8 @@ class OpenCLBackend(KernelBackend):
             info = (gpus or real)[0]
         else:
             try:
+                if not selector.isdigit():  # int() would take '0_0' and ' 0'
+                    raise ValueError(selector)
                 idx = int(selector)
             except ValueError:
                 raise UnknownBackendError(
@@ -164,6 +227,9 @@ class OpenCLBackend(KernelBackend):
             info = av.devices[idx]
         self._cl_device = self._device_handle(info)
         self.ctx = cl.Context([self._cl_device])
+        _LIVE.add(self)
+        self._limits = (int(self._cl_device.max_mem_alloc_size),
+                        int(self._cl_device.global_mem_size))
         self._empty_meta: dict[tuple[tuple[int, ...], str], tuple[Any, ...]] = {}
         self._fast_empty = True  # False: pyopencl changed, arrays come from cla.empty
         self.queue = cl.CommandQueue(self.ctx)
@@ -185,6 +251,29 @@ class OpenCLBackend(KernelBackend):
         """The pyopencl Device behind a probed DeviceInfo (the simulator overrides it)."""
         return _all_devices()[info.index][1]
 
+    _limits: tuple[int, int] = (1 << 62, 1 << 62)  # (max_mem_alloc_size, global_mem_size)
+
+    # what a forked child may no longer call (see _after_fork_in_child)
+    _DEVICE_METHODS = ("run", "call_site", "execute", "to_native", "to_numpy", "empty", "zeros",
+                       "synchronize", "prepare_native", "compile", "enqueue", "plan",
+                       "free_pooled_memory", "fill_zero", "kernels_for")
+
+    def _disable_after_fork(self) -> None:
+        """In a forked child: every device operation of this instance raises at once. The
+        driver objects are left alone (releasing them could block too); caches are dropped
+        so no plan can reach an enqueue."""
+        label = self.label
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise fork_error(label)
+
+        for name in self._DEVICE_METHODS:
+            setattr(self, name, refuse)
+        for cache in ("_plans", "_hot", "_sites", "_kernels", "_configs", "_empty_meta"):
+            c = getattr(self, cache, None)
+            if c is not None:
+                c.clear()
+
     # arrays
     def is_native(self, x: object) -> bool:
         return cla is not None and isinstance(x, cla.Array)
@@ -200,18 +289,98 @@ class OpenCLBackend(KernelBackend):
             "arrays you no longer need, or use a device with more memory.")
 
     def prepare_native(self, name: str, x: Any) -> Any:
+        """A pyopencl Array the kernels may use, checked before any launch: its context is
+        this backend's, it is a contiguous, offset-free view, and its buffer holds all the
+        bytes its shape and dtype say (a short buffer would be read or written past its end:
+        a crash, or another allocation's memory overwritten)."""
         ctx = x.context
         if ctx is not self.ctx and ctx != self.ctx:  # identity first: the per-call path
-            raise BackendUnavailable(
-                f"argument {name!r} lives in another OpenCL context than {self.describe()}; "
-                "create it with portakern.to_backend(x, backend) or on this backend's queue.")
+            raise self._context_error(name, x)
         if x.offset or not x.flags.c_contiguous:
             from portakern.errors import InvalidArgumentError
 
             raise InvalidArgumentError(
                 f"argument {name!r} is a non-contiguous or offset pyopencl view (strides "
                 f"{x.strides}, offset {x.offset}); expected a contiguous array. Pass x.copy().")
+        nbytes = x.nbytes
+        if nbytes:
+            bd = x.base_data
+            have = -1 if bd is None else bd.size
+            if nbytes > have or nbytes != x.size * x.dtype.itemsize:
+                from portakern.errors import InvalidArgumentError
+
+                raise InvalidArgumentError(
+                    f"argument {name!r} (pyopencl Array, shape {tuple(x.shape)}, dtype "
+                    f"{dtypes.dtype_name(x.dtype)}) needs {x.size * x.dtype.itemsize} bytes but "
+                    f"its buffer holds {max(have, 0)} (nbytes {nbytes}); the kernel would read "
+                    "or write past its end. Expected an array whose buffer is at least "
+                    "shape x itemsize bytes: make it with pyopencl.array.empty/to_device (or "
+                    "portakern.to_backend), not Array(..., data=<smaller buffer>).")
         return x
+
+    def check_device_buffers(self, spec: Any, parts: list[tuple[str, int]]) -> None:
+        """Each buffer at most the device's max_mem_alloc_size, all of them at most its
+        global memory: judged here, before anything is copied or allocated (PoCL would
+        otherwise abort on a failed host allocation, or silently overcommit)."""
+        max_alloc, total_mem = self._limits
+        total = 0
+        for what, n in parts:
+            total += n
+            if n > max_alloc:
+                raise DeviceMemoryError(
+                    f"{spec.name}: the {what} needs {n} bytes in one buffer, more than the "
+                    f"{max_alloc} bytes {self.describe()} allows in one allocation "
+                    f"(max_mem_alloc_size; global memory {total_mem} bytes). Nothing was "
+                    "allocated. Fix: split the call into smaller pieces (e.g. over the "
+                    "batch), or use a device with larger allocations.")
+        if total > total_mem:
+            raise DeviceMemoryError(
+                f"{spec.name}: the call needs {total} bytes of device memory ("
+                + "; ".join(f"{w}: {n}" for w, n in parts)
+                + f"), more than the {total_mem} bytes of global memory of {self.describe()}."
+                " Nothing was allocated. Fix: split the call into smaller pieces.")
+
+    def check_writable(self, spec: Any, out: Any) -> None:
+        bd = out.base_data
+        if bd is not None and bd.flags & cl.mem_flags.READ_ONLY:
+            from portakern.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(
+                f"{spec.name}: out= is backed by a READ_ONLY OpenCL buffer; the kernel must "
+                "write it. Expected a READ_WRITE (or WRITE_ONLY) array: make it with "
+                "pyopencl.array.empty, or drop out= and use the returned array.")
+
+    def memory_span(self, x: Any) -> tuple[Any, int, int] | None:
+        bd = x.base_data
+        if bd is None or not x.nbytes:
+            return None
+        return ("cl", bd.int_ptr), x.offset, x.offset + x.nbytes
+
+    def _context_error(self, name: str, x: Any) -> Exception:
+        """Both contexts named (their devices, and the portakern backend that owns the array's
+        context when there is one) and the fix."""
+        from portakern.errors import ContextMismatchError
+
+        from .base import _INSTANCES
+
+        def devices(ctx: Any) -> str:
+            try:
+                return ", ".join(d.name.strip() for d in ctx.devices)
+            except Exception:
+                return "?"
+
+        owner = next((i for i in list(_INSTANCES) if isinstance(i, OpenCLBackend)
+                      and i is not self and getattr(i, "ctx", None) == x.context), None)
+        theirs = (f"the context of {owner.label} ({devices(x.context)})" if owner is not None
+                  else f"a context made outside portakern (device {devices(x.context)})")
+        move = (f"portakern.to_backend(x.get(), {self.label!r})" if owner is None else
+                f"backend={owner.label!r} to run where it lives, or "
+                f"portakern.to_backend(x.get(), {self.label!r}) to move it")
+        return ContextMismatchError(
+            f"argument {name!r} lives in {theirs}, but this call runs on {self.label} "
+            f"({devices(self.ctx)}, context of portakern's {self.label} backend). A kernel can "
+            f"only use buffers of its own context. Fix: pass {move}; arrays made by "
+            "portakern.to_backend(x, 'opencl:N') are in that device's one shared context.")
 
     def to_native(self, x: np.ndarray) -> Any:
         x = native_byte_order(x)  # kernels read native-order floats; '>f4' is float32 too
@@ -271,6 +440,9 @@ class OpenCLBackend(KernelBackend):
         and XLA's allocators (a fresh clBuffer on a CPU device is fresh pages, and touching
         them costs more than a memory-bound kernel on them); PORTAKERN_OPENCL_POOL=0 turns the
         pool off. An allocation failure first frees what the pool holds, then raises."""
+        if nbytes > self._limits[0]:  # never ask the driver for what it cannot give
+            raise self._oom("a buffer", nbytes, RuntimeError(
+                "larger than max_mem_alloc_size; refused before allocating"))
         if self._pool is None:
             return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, nbytes)
         try:

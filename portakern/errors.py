@@ -81,8 +81,22 @@ class DeviceMemoryError(PortakernError, MemoryError):
     """A device allocation failed; the message names the requested and available sizes."""
 
 
-class DeviceMemoryError(PortakernError, MemoryError):
-    """A device allocation failed; the message names the requested and available sizes."""
+class ForkedProcessError(BackendUnavailable):
+    """This process was forked after a device runtime that cannot survive fork was initialised
+    (OpenCL drivers, CUDA); the message names fork and the fix (spawn or forkserver)."""
+
+
+class ContextMismatchError(BackendUnavailable, ValueError):
+    """A device array belongs to another context (device, process) than the selected backend;
+    the message names both and the fix."""
+
+
+class HostMemoryError(PortakernError, MemoryError):
+    """A host copy a call would make exceeds portakern's host memory budget (named sizes)."""
+
+
+class AliasingError(InvalidArgumentError):
+    """``out=`` overlaps an input: the kernel would read what it has already overwritten."""
 
 
 class SpecError(PortakernError, ValueError):

@@ -25,13 +25,125 @@ it from their own ``run`` and the numpy backend from its ``as_input``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from .dtypes import dtype_name
-from .errors import NotAnArrayError
+from .errors import HostMemoryError, InvalidArgumentError, NotAnArrayError
+
+# --- memory judged before it is spent ------------------------------------------------------
+# Every host copy a call would make (contiguous and byte-order copies of operands, the
+# oracle's float64 copies, and on CPU devices the device buffers too, which are host memory
+# there) is sized from the shapes first and refused with HostMemoryError when the call's total
+# exceeds the budget: $PORTAKERN_HOST_MEMORY_BUDGET (bytes, or with a K/M/G/T suffix) when set,
+# else half of physical memory, and never more than MemAvailable or the headroom left under
+# the address-space limit (ulimit -v). A zero-stride (broadcast) view of 4 bytes that claims
+# 8 GB is 8 GB to copy, and is judged as such before anything is allocated.
+ENV_BUDGET = "PORTAKERN_HOST_MEMORY_BUDGET"
+SMALL_BYTES = 64 << 20  # a call below this total is never refused (the budget is not read)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _parse_bytes(text: str) -> int:
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        n = float(t[: len(t) - len(unit)])
+    except ValueError:
+        n = -1.0
+    if not n >= 0 or n != n or n == float("inf"):
+        raise InvalidArgumentError(f"${ENV_BUDGET}={text!r} is not a size; expected bytes, "
+                                   "optionally with a K/M/G/T suffix, e.g. 8G.")
+    return int(n * _UNITS[unit])
+
+
+def _meminfo(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(field.encode() + b":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _address_space_headroom() -> int | None:
+    """Bytes left under RLIMIT_AS (None = unlimited or unknown)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, soft - used)
+
+
+def memory_budget() -> tuple[int, str]:
+    """(bytes, what set it): the most host memory one call may ask for."""
+    env = os.environ.get(ENV_BUDGET)
+    if env and env.strip():
+        budget, why = _parse_bytes(env), f"${ENV_BUDGET}={env.strip()}"
+    else:
+        try:
+            phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            phys = 0
+        budget, why = (phys // 2, "half of physical memory") if phys > 0 else (1 << 62, "")
+        avail = _meminfo("MemAvailable")
+        if avail is not None and avail < budget:
+            budget, why = avail, "MemAvailable in /proc/meminfo"
+    room = _address_space_headroom()
+    if room is not None and room < budget:
+        budget, why = room, "the address-space headroom left under ulimit -v (RLIMIT_AS)"
+    return budget, why
+
+
+def check_host_memory(what: str, parts: Iterable[tuple[str, int]]) -> None:
+    """Refuse (HostMemoryError, naming every part and the budget) a call whose host
+    allocations ``parts`` ((description, bytes), ...) exceed ``memory_budget()``."""
+    parts = [(d, int(n)) for d, n in parts if n]
+    total = sum(n for _, n in parts)
+    if total < SMALL_BYTES:
+        return
+    budget, why = memory_budget()
+    if total <= budget:
+        return
+    listed = "; ".join(f"{d}: {n} bytes" for d, n in parts)
+    raise HostMemoryError(
+        f"{what} would allocate {total} bytes of host memory ({listed}), more than the budget "
+        f"of {budget} bytes ({why}). Nothing was allocated. Fix: split the call into smaller "
+        "pieces; pass a contiguous array instead of a broadcast (zero-stride) view; or raise "
+        f"${ENV_BUDGET} if the machine really has the memory.")
+
+
+def nbytes_of(x: Any) -> int:
+    """Bytes of ``x``'s data as its shape and dtype claim (a zero-stride view counts in full)."""
+    n = 1
+    for s in x.shape:
+        n *= int(s)
+    return n * np.dtype(x.dtype).itemsize if n else 0
+
+
+def host_copy_bytes(x: Any, contiguous: bool = True) -> int:
+    """Bytes ``host_operand`` would allocate for ``x`` (0 when it passes it through)."""
+    if isinstance(x, np.ndarray) and x.dtype.isnative and (not contiguous
+                                                           or x.flags.c_contiguous):
+        return 0
+    try:
+        return nbytes_of(x)
+    except (TypeError, ValueError, AttributeError):
+        return 0
 
 
 def native_byte_order(arr: np.ndarray) -> np.ndarray:

@@ -27,6 +27,15 @@ _instances: dict[tuple[str, str | None], Backend] = {}
 _lock = threading.Lock()
 
 
+def _reset_lock_after_fork() -> None:  # another thread may have held it at the fork
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_after_fork)
+
+
 def _shown(value: object, limit: int = 60) -> str:
     """repr of a user's selector for an error message, cut to ``limit`` characters (a
     selector can come from anywhere, e.g. a pasted environment variable)."""
@@ -64,24 +73,27 @@ def get(text: str, origin: str = "backend") -> Backend:
 
 
 def _get(text: str, origin: str) -> Backend:
+    """One instance (one device context) per device: the selector is normalised first, so
+    'opencl', 'opencl:0', 'opencl:00' and automatic selection of that device share it."""
     name, dev = parse(text, origin)
-    key = (name, dev)
-    inst = _instances.get(key)
+    inst = _instances.get((name, dev))
     if inst is not None:
         return inst
     with _lock:
-        inst = _instances.get(key)
+        cls = registry.load(name)
+        if not isinstance(cls, type):
+            raise BackendUnavailable(f"backend {name!r} cannot run here: {cls.reason}. "
+                                     f"Fix: {cls.fix}.")
+        av = cls.probe()
+        if not av.available:
+            raise BackendUnavailable(f"backend {name!r} cannot run here: {av.reason}. "
+                                     f"Fix: {av.fix}.")
+        canon = cls.canonical_device(dev)
+        inst = _instances.get((name, canon))
         if inst is None:
-            cls = registry.load(name)
-            if not isinstance(cls, type):
-                raise BackendUnavailable(f"backend {name!r} cannot run here: {cls.reason}. "
-                                         f"Fix: {cls.fix}.")
-            av = cls.probe()
-            if not av.available:
-                raise BackendUnavailable(f"backend {name!r} cannot run here: {av.reason}. "
-                                         f"Fix: {av.fix}.")
-            inst = cls(dev)
-            _instances[key] = inst
+            inst = cls(canon)
+            _instances[(name, canon)] = inst
+        _instances[(name, dev)] = inst
     return inst
 
 

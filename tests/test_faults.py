@@ -551,3 +551,174 @@ def test_ctrl_c_during_garbage_collection_is_not_lost(tmp_path: Path,
         gc.callbacks.remove(ctrl_c_in_gc)
     assert fired, "the runner did not collect garbage after the first case"
     assert res["interrupted"] is True and len(res["cases"]) == 1
+
+
+# --- issue 19: device arrays checked against their buffers; out= aliasing; memory budget -----
+def _cl_array(be: Backend, shape: tuple[int, ...], nbytes: int, flags: str = "READ_WRITE") -> Any:
+    """A pyopencl Array of ``shape`` float32 on a buffer of ``nbytes`` (maybe too small)."""
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    buf = cl.Buffer(be.ctx, getattr(cl.mem_flags, flags), nbytes)  # type: ignore[attr-defined]
+    return cla.Array(be.queue, shape, f32, data=buf)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("where", ["input", "out"])
+def test_opencl_short_buffer_is_refused_before_any_launch(where: str) -> None:
+    """A pyopencl Array whose buffer is smaller than its shape says (the issue's segfault:
+    64 bytes behind a (2048, 2048) float32 array) is refused by name, never read or written
+    past; the backend stays usable."""
+    be = _opencl()
+    short = _cl_array(be, (2048, 2048), 64)
+    good = pk.to_backend(np.ones((2048, 2048), f32), be)
+    args, kw = ((short,), {}) if where == "input" else ((good,), {"out": short})
+    for _ in range(2):  # cold, and after the call was planned
+        with pytest.raises(pk.InvalidArgumentError) as info:
+            pk.call("softmax", *args, backend=be, **kw)
+        msg = str(info.value)
+        assert "16777216 bytes" in msg and "holds 64" in msg, msg
+    pk.softmax(good, backend=be)  # plan it, then the hot paths must check the buffer too
+    with pytest.raises(pk.InvalidArgumentError):
+        pk.call("softmax", *args, backend=be, **kw)
+    np.testing.assert_allclose(pk.matmul(A, B, backend=be), A @ B)
+
+
+def test_opencl_read_only_out_is_refused() -> None:
+    be = _opencl()
+    x = pk.to_backend(np.ones((8, 8), f32), be)
+    ro = _cl_array(be, (8, 8), 8 * 8 * 4, "READ_ONLY")
+    with pytest.raises(pk.InvalidArgumentError, match="READ_ONLY"):
+        pk.call("softmax", x, backend=be, out=ro)
+
+
+def _alias_cases(be: Backend) -> list[tuple[str, tuple, Any]]:
+    rng = np.random.default_rng(0)
+    a = pk.to_backend(rng.random((16, 16), f32), be)
+    b = pk.to_backend(rng.random((16, 16), f32), be)
+    q = pk.to_backend(rng.random((1, 2, 16, 16), f32), be)
+    k = pk.to_backend(rng.random((1, 2, 16, 16), f32), be)
+    v = pk.to_backend(rng.random((1, 2, 16, 16), f32), be)
+    big = pk.to_backend(rng.random((2, 16, 16), f32), be)  # out shares big's buffer
+    import pyopencl.array as cla
+
+    first = cla.Array(be.queue, (16, 16), f32, data=big.base_data)  # type: ignore[attr-defined]
+    return [("matmul", (a, b), a), ("matmul", (a, b), b), ("softmax", (a,), a),
+            ("attention", (q, k, v), q), ("attention", (q, k, v), v),
+            ("matmul", (big[0].copy(), b), b), ("softmax", (big,), None),
+            ("matmul", (first, b), None)]
+
+
+def test_opencl_out_aliasing_an_input_is_refused() -> None:
+    """The issue's silent garbage: ``pk.call("matmul", a, b, out=a)`` (max error 303). Every
+    op, every operand; also an out= that is another Array over the same buffer."""
+    be = _opencl()
+    for op, args, out in _alias_cases(be):
+        if out is None:
+            continue
+        for _ in range(2):  # general path, then the planned/call-site path
+            with pytest.raises(pk.PortakernError, match="overlaps input") as info:
+                pk.call(op, *args, backend=be, out=out)
+            assert isinstance(info.value, pk.InvalidArgumentError)
+    _, (first, b), _ = _alias_cases(be)[-1]
+    import pyopencl.array as cla
+
+    other = cla.Array(be.queue, (16, 16), f32, data=first.base_data)  # same buffer, no offset
+    with pytest.raises(pk.InvalidArgumentError, match="overlaps input 'a'"):
+        pk.call("matmul", first, b, backend=be, out=other)
+    fresh = pk.call("matmul", first, b, backend=be)  # and a separate out= is fine
+    res = pk.call("matmul", first, b, backend=be, out=cla.empty_like(fresh))
+    np.testing.assert_allclose(res.get(), fresh.get(), rtol=1e-6)
+
+
+def test_numpy_memory_overlap_is_judged_by_the_default_span() -> None:
+    """Backends without a device buffer model (numpy, CuPy through its array interface) use
+    ``Backend.memory_span``: overlapping views of one array alias, disjoint ones do not."""
+    be = selection.get("numpy")
+    base = np.zeros((8, 8), f32)
+    from portakern.ops import get_op
+
+    spec = get_op("softmax")
+    with pytest.raises(pk.InvalidArgumentError, match="overlaps"):
+        be.check_no_alias(spec, base[2:6], [("x", base[4:])])
+    with pytest.raises(pk.InvalidArgumentError, match="overlaps"):
+        be.check_no_alias(spec, base[::-1], [("x", base[7:])])
+    be.check_no_alias(spec, base[:4], [("x", base[4:])])  # disjoint halves
+    be.check_no_alias(spec, base[:4], [("x", np.zeros(3, f32))])
+
+
+_ZERO_STRIDE = """
+import numpy as np, portakern as pk
+x = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (2**31 - 1,), (0,))
+for b in {targets!r}:
+    try:
+        pk.softmax(x, backend=b)
+        print(b, "computed")
+    except pk.PortakernError as exc:
+        print(b, type(exc).__name__, "|", exc)
+"""
+
+
+def test_zero_stride_input_is_judged_before_any_copy() -> None:
+    """4 bytes claiming 8 GB: refused from its shape (DeviceMemoryError over OpenCL's
+    max_mem_alloc_size, HostMemoryError over the host budget), before any copy is made. Run
+    in a child under an 8 GB address-space limit, so a regression fails (PoCL aborted on an
+    assertion, the process was killed) instead of exhausting this machine."""
+    from conftest import TARGETS
+
+    targets = [t for t in TARGETS if t != "jax:pallas"]
+    code = _ZERO_STRIDE.format(targets=targets)
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, preexec_fn=limit, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert set(lines) == set(targets), r.stdout
+    for t, res in lines.items():
+        kind, _, msg = res.partition(" | ")
+        assert kind in ("DeviceMemoryError", "HostMemoryError"), (t, res)
+        assert "8589934588 bytes" in msg and "Nothing was allocated" in msg, (t, msg)
+
+
+@pytest.mark.parametrize("op", ["softmax", "matmul"])
+def test_host_memory_budget_is_enforced_from_shapes(target: str, op: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stated budget ($PORTAKERN_HOST_MEMORY_BUDGET) and a broadcast input whose copies
+    exceed it: HostMemoryError naming every part and the budget; nothing copied or moved."""
+    from portakern import host
+
+    monkeypatch.setenv(host.ENV_BUDGET, "100M")
+    be = selection.get(target)
+    n = 1 << 24  # 64 MiB as float32: the copy alone fits, the call's copies together do not
+    x = np.lib.stride_tricks.as_strided(np.zeros(1, f32), (n // 1024, 1024), (0, 0))
+    args = (x,) if op == "softmax" else (x, np.ones((1024, 8), f32))
+    before = be.transfers.snapshot()
+    copies: list[int] = []
+    monkeypatch.setattr(host, "native_byte_order", lambda a: copies.append(1) or a)
+    with pytest.raises(pk.PortakernError) as info:
+        pk.call(op, *args, backend=be)
+    assert isinstance(info.value, MemoryError), info.value
+    msg = str(info.value)
+    assert "budget of 104857600 bytes" in msg or "max_mem_alloc_size" in msg, msg
+    assert be.transfers.snapshot() == before and not copies
+    monkeypatch.delenv(host.ENV_BUDGET)
+    np.testing.assert_allclose(np.asarray(pk.softmax(X_SMALL, backend=be)).sum(), 4, rtol=1e-5)
+
+
+X_SMALL = np.ones((4, 6), f32)
+
+
+def test_memory_budget_reads_the_environment_and_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from portakern import host
+
+    monkeypatch.setenv(host.ENV_BUDGET, "2G")
+    assert host.memory_budget()[0] in (2 << 30, host._address_space_headroom())
+    monkeypatch.setenv(host.ENV_BUDGET, "lots")
+    with pytest.raises(pk.InvalidArgumentError, match="PORTAKERN_HOST_MEMORY_BUDGET"):
+        host.memory_budget()
+    monkeypatch.delenv(host.ENV_BUDGET)
+    budget, why = host.memory_budget()
+    assert budget > 0 and why

@@ -111,3 +111,63 @@ def _available_targets() -> list[str]:
     from conftest import TARGETS
 
     return TARGETS
+
+
+# --- issue 15: entry points read once; issue 19: one context per device ---------------------
+def test_automatic_selection_reads_entry_points_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """importlib.metadata.entry_points() scans every installed distribution (~1 ms); it used
+    to run on every call under automatic selection. Now once, and again on request."""
+    from portakern import backends as registry
+
+    calls = []
+    real = registry.metadata.entry_points
+
+    def counting(*args: object, **kwargs: object) -> object:
+        if kwargs.get("group") == registry.ENTRY_POINT_GROUP:
+            calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(registry.metadata, "entry_points", counting)
+    pk.refresh_backends()
+    for _ in range(50):
+        pk.softmax(A)
+        pk.explain()
+    assert len(calls) == 1, f"entry points read {len(calls)} times in 50 calls"
+    pk.refresh_backends()  # a plugin was installed: read them again, once
+    pk.softmax(A)
+    pk.softmax(A)
+    assert len(calls) == 2
+
+
+def test_selectors_of_one_device_share_one_instance() -> None:
+    """'opencl', 'opencl:0', 'opencl:00' and automatic selection of that device: one backend
+    instance, one context (they used to open a context each)."""
+    assert selection.get("numpy") is selection.get("numpy:0") is selection.get("numpy:cpu")
+    if not pk.backends()["opencl"]["available"]:
+        pytest.skip("opencl is not available here")
+    be = selection.get("opencl:0")
+    assert selection.get("opencl:00") is be and selection.get("opencl") is be
+    x = pk.to_backend(np.ones((3, 4), np.float32), "opencl:0")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PORTAKERN_BACKEND", raising=False)
+        y = pk.softmax(x)  # automatic selection follows the array to its context
+    np.testing.assert_allclose(y.get(), np.full((3, 4), 0.25, np.float32))
+    with pytest.raises(pk.UnknownBackendError):
+        selection.get("opencl:0_0")
+
+
+def test_array_from_another_context_names_both_and_the_fix() -> None:
+    if not pk.backends()["opencl"]["available"]:
+        pytest.skip("opencl is not available here")
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    be = selection.get("opencl:0")
+    ctx = cl.Context([be._cl_device])  # type: ignore[attr-defined]
+    x = cla.to_device(cl.CommandQueue(ctx), np.ones((3, 4), np.float32))
+    with pytest.raises(pk.PortakernError) as info:
+        pk.softmax(x, backend=be)
+    msg = str(info.value)
+    assert isinstance(info.value, pk.BackendUnavailable)
+    assert "context" in msg and "outside portakern" in msg and "opencl:0" in msg
+    assert "to_backend(x.get(), 'opencl:0')" in msg

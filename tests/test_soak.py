@@ -166,7 +166,7 @@ def cache_sizes(be: Backend) -> dict[str, int]:
     out = {}
     for name in ("_kernels", "_configs", "_plans", "_fns", "_modules"):
         got = getattr(be, name, None)
-        if isinstance(got, dict):
+        if isinstance(got, dict) or hasattr(got, "maxsize"):  # dicts and LRU caches
             out[name] = len(got)
     return out
 
@@ -311,3 +311,75 @@ def test_soak() -> None:
     assert not problems, "\n".join(problems + report)
     for t in targets:
         t.outs.clear()
+
+
+# --- churn: changing parameters, shapes and head dims (issue 19) ----------------------------
+CHURN_RSS_BOUND_MB = 64  # RSS growth allowed over the churn's second half, on every target
+
+
+def _fresh(target: str) -> Backend:
+    name, _, dev = target.partition(":")
+    return type(selection.get(target))(dev or None)
+
+
+def _churn(be: Backend, rng: np.random.Generator, round_: int, dims: list[int]) -> None:
+    """One round: new scale and eps values on fixed shapes, new softmax shapes, new
+    attention head dims (each a kernel of its own on C-kernel targets)."""
+    x = rng.random((4, 32), np.float32)
+    w = np.ones(32, np.float32)
+    q = rng.random((1, 2, 8, 16), np.float32)
+    for i in range(20):
+        v = round_ * 20 + i + 1
+        out = pk.attention(q, q, q, scale=0.05 + v * 1e-3, backend=be)
+        ref = pk.attention(q, q, q, scale=0.05 + v * 1e-3, backend="numpy")
+        assert np.abs(np.asarray(out) - ref).max() < 1e-4
+        pk.rmsnorm(x, w, eps=1e-6 * v, backend=be)
+    for i in range(6):
+        pk.softmax(rng.random((3, 7 + round_ * 6 + i), np.float32), backend=be)
+    for d in dims:
+        qd = rng.random((1, 1, 4, d), np.float32)
+        pk.attention(qd, qd, qd, backend=be)
+
+
+@pytest.mark.per_target
+def test_churn_keeps_every_cache_and_rss_bounded(target: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leaks of issue 19: a jitted function per ``scale``/``eps`` value (+1.95 GiB in 536
+    calls), an OpenCL program per attention head dim (+322 MiB in 247 calls). Now float
+    parameters are traced arguments on jax (one function per op, whatever the values), and
+    every compiled-code cache is LRU-bounded: here the bounds are lowered (kernels 3,
+    executables 4) so that a few distinct head dims and shapes overflow them quickly. Four
+    rounds on a fresh instance; the RSS growth over the last two stays under
+    CHURN_RSS_BOUND_MB."""
+    if target == "jax:pallas":
+        pytest.skip("the Pallas path keeps its parameters static (LRU-bounded); "
+                    "jax:cpu covers the XLA path")
+    jaxb = importlib.import_module("portakern.backends.jax") if target.startswith("jax") \
+        else None
+    if jaxb is not None:
+        monkeypatch.setattr(jaxb, "EXECUTABLE_CACHE_SIZE", 4)
+    be = _fresh(target)
+    kernels = getattr(be, "_kernels", None)
+    if kernels is not None:
+        kernels.maxsize = 3
+    rng = np.random.default_rng(19)
+    samples = []
+    for r in range(4):
+        dims = [24 + 8 * r, 28 + 8 * r]  # two new head dims per round
+        _churn(be, rng, r, dims)
+        gc.collect()
+        samples.append(rss_bytes())
+        if kernels is not None:
+            assert len(kernels) <= 3, f"kernel cache over its bound: {len(kernels)}"
+        fns = getattr(be, "_fns", None)
+        if fns is not None:
+            # one function per op and dtype, whatever scale/eps were; the softmax shapes and
+            # head dims are executables of those functions, at most 4 kept in all
+            assert len(fns) <= 4, f"jitted functions: {fns.keys()}"
+            assert sum(f.executables() for f in fns.values()) <= 4
+    if kernels is not None:
+        assert kernels.evictions >= 4
+    growth = (max(samples[2:]) - samples[1]) / 2**20
+    print(f"churn {target}: RSS after each round (MiB) "
+          f"{[round(s / 2**20) for s in samples]}, growth over rounds 3-4 {growth:.1f} MiB")
+    assert growth < CHURN_RSS_BOUND_MB, f"RSS grew {growth:.1f} MiB under churn on {target}"
