@@ -12,6 +12,13 @@
  * Causal: tiles wholly after the group's last query are never loaded. A row with no key to
  * attend (fully masked, or Sk = 0) writes 0.
  *
+ * Non-finite values, as attention.semantics: the scale is folded into q before the dot; a key
+ * whose V row holds a NaN or an inf scores NaN (AT_NAN) for the rows allowed to attend it,
+ * and V enters P.V with those entries zeroed, so a masked key (weight 0) never poisons a row;
+ * a NaN or +inf score makes the row NaN through exp(s - m); a row is dead (writes 0) only
+ * when its max is -inf and its sum is exactly 0 (the vector max, fmax, skips NaN, which then
+ * shows in the sum): never because !(l > 0).
+ *
  * Two inner paths, one source. GPU schedule (TQ=1, VEC=1): scalar, one query per item, the
  * group's many items hide latency. CPU schedule on dialects with native vectors (OpenCL):
  * the K tile is stored transposed so VEC consecutive keys' scores are one vector FMA chain,
@@ -30,6 +37,8 @@
  * VP (Skp rows of DVP). The vector path then reads its tiles straight from them: no
  * local-memory staging and no barriers. */
 #define AT_PACKED (AT_VEC && PACK_KV)
+#define AT_NAN ((PK_ACC_T)PK_INFINITY - (PK_ACC_T)PK_INFINITY)
+#define AT_FINITE(x) ((x) - (x) == (PK_ACC_T)0) /* false for NaN and +-inf */
 #if AT_VEC
 #define NSV (BK / VEC)
 #define NAV (DVP / VEC)
@@ -57,6 +66,8 @@ PK_DEVICE_FN PK_ACC_T at_lane_sum(at_vt v)
 
 /* KT[kvh * DQ_ * Skp + (tile * DQ_ + d) * BK + jj] = K[kvh][tile * BK + jj][d],
  * VP[(kvh * Skp + j) * DVP + d] = V[kvh][j][d], zeros past Sk and past DV.
+ * A V row holding a NaN or an inf is copied with those entries zeroed and its key's KT column
+ * is NaN (every score of that key NaN; masks still turn it to -inf).
  * One work-item per key row; groups of BK rows, kv heads along the group index. */
 PK_KERNEL void attention_pack_kv(PK_GLOBAL const PK_T_T* PK_RESTRICT K,
                                  PK_GLOBAL const PK_T_T* PK_RESTRICT V,
@@ -70,12 +81,18 @@ PK_KERNEL void attention_pack_kv(PK_GLOBAL const PK_T_T* PK_RESTRICT K,
     const int jj = PK_LOCAL_ID(0);
     const int j = tile * BK + jj;
     const int ok = j < Sk;
+    int bad = 0;
+    for (int d = 0; d < DVP; ++d) {
+        PK_ACC_T x = (ok && d < DV) ? PK_LOAD_T(V, (kvh * Sk + j) * DV + d) : (PK_ACC_T)0;
+        if (!AT_FINITE(x)) {
+            bad = 1;
+            x = (PK_ACC_T)0;
+        }
+        VP[(kvh * Skp + j) * DVP + d] = x;
+    }
     for (int d = 0; d < DQ_; ++d)
         KT[kvh * DQ_ * Skp + (tile * DQ_ + d) * BK + jj] =
-            (ok && d < DQ) ? PK_LOAD_T(K, (kvh * Sk + j) * DQ + d) : (PK_ACC_T)0;
-    for (int d = 0; d < DVP; ++d)
-        VP[(kvh * Skp + j) * DVP + d] = (ok && d < DV) ? PK_LOAD_T(V, (kvh * Sk + j) * DV + d)
-                                                       : (PK_ACC_T)0;
+            bad ? AT_NAN : (ok && d < DQ) ? PK_LOAD_T(K, (kvh * Sk + j) * DQ + d) : (PK_ACC_T)0;
 }
 
 PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
@@ -125,6 +142,20 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
     for (int t = 0; t < QI; ++t)
         for (int d = 0; d < DV; ++d) acc[t][d] = (PK_ACC_T)0;
 #endif
+#if !AT_PACKED
+    /* Staged tiles: the loaders zero a V row's NaN/inf entries and stamp the row (and the
+     * tile) with k0 + 1, so a stamp from an earlier tile never matches. Every loader that
+     * stamps writes the same value. */
+    PK_LOCAL int Vbad[BK];
+    PK_LOCAL int Tbad[1];
+    for (int j = lid; j < BK; j += BQ) Vbad[j] = 0;
+    if (lid == 0) Tbad[0] = 0;
+    PK_BARRIER();
+#define AT_VBAD(j) (Vbad[j] == k0 + 1)
+#define AT_TBAD (Tbad[0] == k0 + 1)
+#else
+#define AT_TBAD 0 /* the packed KT column of a bad V row is NaN already */
+#endif
     PK_ACC_T qr[QI][DQ_];
     PK_ACC_T m[QI], l[QI];
 #if !AT_VEC
@@ -132,7 +163,9 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 #endif
     for (int t = 0; t < QI; ++t) {
         const int qrow = min(q0 + t, Sq - 1);
-        for (int d = 0; d < DQ; ++d) qr[t][d] = PK_LOAD_T(Q, (bh * Sq + qrow) * DQ + d) * scale;
+        /* the scale folded into q once (every implementation does): no dot * scale - max */
+        for (int d = 0; d < DQ_; ++d)
+            qr[t][d] = (d < DQ) ? PK_LOAD_T(Q, (bh * Sq + qrow) * DQ + d) * scale : (PK_ACC_T)0;
         m[t] = -PK_INFINITY;
         l[t] = (PK_ACC_T)0;
     }
@@ -149,13 +182,25 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         if (DVP == DV && k0 + BK <= Sk) {
             for (int idx = lid; idx < BK * NAV; idx += BQ) {
                 const int j = idx / NAV, c = idx - (idx / NAV) * NAV;
-                PK_CAT(vstore, VEC)(PK_CAT(vload, VEC)(c, V + (kvrow0 + k0 + j) * DV), c, &Vs[j][0]);
+                vt x = PK_CAT(vload, VEC)(c, V + (kvrow0 + k0 + j) * DV);
+                if (!all(isequal(x - x, (vt)(0)))) { /* a NaN or an inf in this V row */
+                    x = select((vt)(0), x, isequal(x - x, (vt)(0)));
+                    Vbad[j] = k0 + 1;
+                    Tbad[0] = k0 + 1;
+                }
+                PK_CAT(vstore, VEC)(x, c, &Vs[j][0]);
             }
         } else {
             for (int idx = lid; idx < BK * DVP; idx += BQ) {
                 const int j = idx / DVP, d = idx - (idx / DVP) * DVP;
-                Vs[j][d] = (k0 + j < Sk && d < DV) ? PK_LOAD_T(V, (kvrow0 + k0 + j) * DV + d)
-                                                   : (PK_ACC_T)0;
+                PK_ACC_T x = (k0 + j < Sk && d < DV) ? PK_LOAD_T(V, (kvrow0 + k0 + j) * DV + d)
+                                                     : (PK_ACC_T)0;
+                if (!AT_FINITE(x)) {
+                    x = (PK_ACC_T)0;
+                    Vbad[j] = k0 + 1;
+                    Tbad[0] = k0 + 1;
+                }
+                Vs[j][d] = x;
             }
         }
 #else
@@ -165,7 +210,12 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         }
         for (int idx = lid; idx < BK * DV; idx += BQ) {
             const int j = idx / DV, d = idx - (idx / DV) * DV;
-            Vs[j][d] = (k0 + j < Sk) ? PK_LOAD_T(V, (kvrow0 + k0 + j) * DV + d) : (PK_ACC_T)0;
+            PK_ACC_T x = (k0 + j < Sk) ? PK_LOAD_T(V, (kvrow0 + k0 + j) * DV + d) : (PK_ACC_T)0;
+            if (!AT_FINITE(x)) {
+                x = (PK_ACC_T)0;
+                Vbad[j] = k0 + 1;
+            }
+            Vs[j][d] = x;
         }
 #endif
 #if !AT_PACKED
@@ -183,7 +233,8 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
             for (int t = 0; t < TQ; ++t)
                 #pragma unroll
                 for (int c = 0; c < NSV; ++c) sv[t][c] = (vt)(0);
-            for (int d = 0; d < DQ; ++d) {
+            /* packed: DQ_ rows, so a D = 0 problem still reads a bad V row's NaN column */
+            for (int d = 0; d < (AT_PACKED ? DQ_ : DQ); ++d) {
                 vt kv[NSV];
                 #pragma unroll
                 for (int c = 0; c < NSV; ++c) kv[c] = PK_CAT(vload, VEC)(c, AT_KROW(d));
@@ -211,7 +262,8 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
             /* A tile edge, the causal diagonal or a mask: key by key, through memory, in a loop
              * of its own (rolled: one copy of this code, not TQ) before the unrolled one. The
              * test uses the block's first query, the one the causal bound cuts most. */
-            const int masked = has_mask || k0 + BK > Sk || (causal && k0 + BK - 1 > q0 + t0);
+            const int masked = has_mask || k0 + BK > Sk || (causal && k0 + BK - 1 > q0 + t0)
+                               || AT_TBAD; /* a bad V row: key by key, below */
             if (masked) {
                 #pragma unroll
                 for (int t = 0; t < TQ; ++t)
@@ -225,7 +277,11 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                         const int kj = k0 + j;
                         int ok = kj < Sk && (!causal || kj <= qi);
                         if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
+#if AT_PACKED
                         const PK_ACC_T sj = ok ? pt[t][j] : -PK_INFINITY;
+#else
+                        const PK_ACC_T sj = !ok ? -PK_INFINITY : AT_VBAD(j) ? AT_NAN : pt[t][j];
+#endif
                         pt[t][j] = sj;
                         bm = (sj > bm || sj != sj) ? sj : bm;
                     }
@@ -257,12 +313,14 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 }
                 /* the max seldom moves after the first tiles: no exp then */
                 const PK_ACC_T corr = (mn == m[t0 + t]) ? (PK_ACC_T)1 : exp(m[t0 + t] - mn);
+                /* every score so far -inf (from the data, in an unmasked tile): shift by 0 */
+                const PK_ACC_T ms = (mn == -PK_INFINITY) ? (PK_ACC_T)0 : mn;
                 #pragma unroll
                 for (int c = 0; c < NAV; ++c) a[t][c] *= (vt)(corr);
                 vt lv = lsum[t0 + t] * (vt)(corr);
                 #pragma unroll
                 for (int c = 0; c < NSV; ++c) {
-                    const vt p = PK_VEXP(sv[t][c] - (vt)(mn)); /* masked keys: exp(-inf) = 0 */
+                    const vt p = PK_VEXP(sv[t][c] - (vt)(ms)); /* masked keys: exp(-inf) = 0 */
                     lv += p;
                     PK_CAT(vstore, VEC)(p, c, &pt[t][0]);
                 }
@@ -298,7 +356,9 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 int ok = kj < Sk && (!causal || kj <= qi);
                 if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
                 PK_ACC_T s = -PK_INFINITY;
-                if (ok) {
+                if (ok && AT_VBAD(j)) {
+                    s = AT_NAN; /* its V row holds a NaN or an inf */
+                } else if (ok) {
                     s = (PK_ACC_T)0;
                     for (int d = 0; d < DQ; ++d) s += qr[t][d] * Ks[j][d];
                 }
@@ -330,7 +390,9 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 #if AT_VEC
         l[t] = at_lane_sum(lsum[t]);
 #endif
-        const PK_ACC_T inv = (l[t] == (PK_ACC_T)0) ? (PK_ACC_T)0 : (PK_ACC_T)1 / l[t];
+        /* dead: no key attended (max -inf, sum exactly 0); a NaN sum is alive and stays NaN */
+        const int dead = m[t] == -PK_INFINITY && l[t] == (PK_ACC_T)0;
+        const PK_ACC_T inv = dead ? (PK_ACC_T)0 : (PK_ACC_T)1 / l[t];
 #if AT_VEC
         PK_ACC_T* ar = (PK_ACC_T*)&acc[t][0];
         for (int d = 0; d < DV; ++d) PK_STORE_T(O, (bh * Sq + qi) * DV + d, ar[d] * inv);

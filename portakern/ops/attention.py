@@ -10,6 +10,18 @@ Error analysis. Scores s = scale q.k carry E_s = gamma_D scale |q|.|k| + u|s| ab
 a softmax weight p_j = exp(s_j - m)/l then carries relative error 2 max_j E_s + u|s_j - m| +
 O(Sk u) (exp, sum, online rescales); o = sum_j p_j v_j adds Sk u sum_j p_j |v_j|. Every term
 scales with W = sum_j p_j |v_j|, so the bound is W * rel + u_out |o| + floor.
+
+GPU schedule and its static resources (`portakern resources attention`, held in CI by
+tests/test_resources.py): one query per work-item, BQ = 128 items per group sharing BK = 16
+key/value rows in local memory; the item keeps its Dv output accumulators and 8 scores in
+registers (fully unrolled, so nothing goes to the stack) and re-reads q from the cache. For
+D = Dv = 64 that is 128 registers on sm_80/sm_90 (25% occupancy, 16 of 64 warps) and ~170
+VGPRs on gfx90a (25%), with no spills. Occupancy floor: 12.5% for float64. Justification:
+64 fp64 accumulators alone are 128 32-bit registers, so with the scores and addresses a
+work-item needs ~250 registers: 8 of 64 warps on sm_80/sm_90 (gfx90a: 6 of 32 waves, LDS);
+capping it at 128 registers would only trade occupancy for spills. Head dims above 64 hold
+more accumulators (fp32 d128: ~250 registers, 12.5%; fp64 d >= 80 spills on NVIDIA) and are
+reported, not held to the floor.
 """
 
 from __future__ import annotations
@@ -52,23 +64,38 @@ def keep_matrix(xp: Any, sq: int, sk: int, causal: bool, mask: Any) -> Any:
 
 def semantics(xp: Any, q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False,
               scale: float | None = None) -> Any:
+    """The op in the arrays' dtype (float64 on the oracle, the compute dtype under jax).
+
+    Every implementation follows these steps (README, "Semantics and dtypes"): the scale is
+    folded into q before the dot, s = (scale * q) . k, so the scores are finite whenever the
+    scaled scores fit the compute type (no dot * scale - max for a compiler to fuse into one
+    FMA); a key whose v row holds a NaN or an inf scores NaN; keys the mask or causal exclude
+    score -inf; a row is dead (output 0) when every score is -inf, alive otherwise, also when a
+    score is NaN or +inf (exp(s - m) then makes the row NaN); and v enters p.v with its
+    non-finite entries zeroed, so a key a row does not attend (weight 0) never poisons it.
+    """
     hq, hkv = q.shape[1], k.shape[1]
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
     if hq != hkv:
         k = xp.repeat(k, hq // hkv, axis=1)
         v = xp.repeat(v, hq // hkv, axis=1)
-    s = xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale
+    s = xp.matmul(q * scale, xp.swapaxes(k, -1, -2))
+    finite_v = xp.isfinite(v)
+    bad_v = xp.logical_not(xp.all(finite_v, axis=-1))[..., None, :]  # (B, H, 1, Sk)
+    s = xp.where(bad_v, xp.nan, s)
     keep = keep_matrix(xp, q.shape[2], k.shape[2], causal, mask)
     if keep is not None:
         s = xp.where(keep, s, -xp.inf)
     m = xp.max(s, axis=-1, keepdims=True) if s.shape[-1] else xp.zeros(s.shape[:-1] + (1,), s.dtype)
-    dead = m == -xp.inf
-    m = xp.where(dead, xp.zeros_like(m), m)
+    m = xp.where(m == -xp.inf, xp.zeros_like(m), m)  # shift a row with no finite max by 0
     e = xp.exp(s - m)
     den = xp.sum(e, axis=-1, keepdims=True)
-    p = xp.where(dead, xp.zeros_like(e), e / xp.where(dead, xp.ones_like(den), den))
-    return xp.matmul(p, v)
+    # Dead: every score -inf, so every e is 0. A live row has den >= 1 (its max gives exp(0))
+    # or NaN, also where a max reduction skips NaN (XLA:CPU's does): never "den > 0".
+    dead = den == 0
+    p = e / xp.where(dead, xp.ones_like(den), den)
+    return xp.matmul(p, xp.where(finite_v, v, xp.zeros_like(v)))
 
 
 def _scale(value: object, d: int) -> float:
@@ -213,29 +240,69 @@ def cost(p: Problem) -> Cost:
 
 
 def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarray:
+    """The worst-case bound (module docstring) on the rows the semantics specify; 0 where the
+    oracle is NaN (compared by NaN-ness: a NaN is expected exactly there); +inf (not judged)
+    where the range rule leaves a row to IEEE arithmetic in the compute type (unspecified)."""
     d = p.derived
     u = float(np.finfo(p.info.compute).eps) / 2
     scale = p.params["scale"]
     g = d["Hq"] // d["Hkv"]
     q, k, v = x["q"], np.repeat(x["k"], g, axis=1), np.repeat(x["v"], g, axis=1)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    es = (2.0 * d["D"] * u) * scale * np.matmul(np.abs(q), np.swapaxes(np.abs(k), -1, -2)) \
-        + 2.0 * u * np.abs(s)
     keep = keep_matrix(np, d["Sq"], d["Sk"], p.params["causal"], x.get("mask"))
-    keep = np.broadcast_to(True if keep is None else keep, s.shape)
-    s = np.where(keep, s, -np.inf)
-    mx = s.max(axis=-1, keepdims=True)
+    keep = np.broadcast_to(True if keep is None else keep, q.shape[:-1] + (d["Sk"],))
+    qs = q * scale
+    qf = np.where(np.isfinite(qs), qs, 0.0)  # the finite terms of every score
+    kf = np.where(np.isfinite(k), k, 0.0)
+    vf = np.where(np.isfinite(v), v, 0.0)
+    s_all = np.matmul(qs, np.swapaxes(k, -1, -2))  # with the non-finite terms: NaN, +-inf
+    s = np.matmul(qf, np.swapaxes(kf, -1, -2))
+    mag = np.matmul(np.abs(qf), np.swapaxes(np.abs(kf), -1, -2))
+    es = (2.0 * d["D"] * u) * mag + 2.0 * u * np.abs(s)
+    keep_f = keep & np.isfinite(s_all)  # the keys a finite row weighs (a -inf score drops one)
+    s = np.where(keep_f, s, -np.inf)
+    mx = s.max(axis=-1, keepdims=True) if d["Sk"] else np.zeros(s.shape[:-1] + (1,))
     dead = mx == -np.inf
-    with np.errstate(invalid="ignore"):
-        e = np.where(keep, np.exp(s - np.where(dead, 0, mx)), 0.0)
+    e = np.where(keep_f, np.exp(s - np.where(dead, 0, mx)), 0.0)
     den = e.sum(axis=-1, keepdims=True)
     pr = e / np.where(dead, 1.0, den)
-    e_max = np.where(keep, es, 0.0).max(axis=-1, keepdims=True)
-    dist = np.where(keep, np.abs(s - np.where(dead, 0, mx)), 0.0).max(axis=-1, keepdims=True)
+    e_max = np.where(keep_f, es, 0.0).max(axis=-1, keepdims=True) if d["Sk"] else 0.0
+    dist = (np.where(keep_f, np.abs(s - np.where(dead, 0, mx)), 0.0).max(axis=-1, keepdims=True)
+            if d["Sk"] else 0.0)
     rel = 2.0 * e_max + u * (2.0 * dist + 3.0 * d["Sk"] + 2.0 * d["Dv"] + 16.0)
-    w = np.matmul(pr, np.abs(v))
+    w = np.matmul(pr, np.abs(vf))
     floor = p.info.subnormal + 4.0 * d["Sk"] * float(np.finfo(p.info.compute).tiny)
-    return w * rel + p.info.unit_roundoff * np.abs(ref) + floor
+    bound = w * rel + p.info.unit_roundoff * np.abs(ref) + floor
+    bound = np.where(np.isnan(ref), 0.0, bound)
+    return np.where(unspecified(p, q, k, vf, keep, mag, s_all), np.inf, bound)
+
+
+def unspecified(p: Problem, q: np.ndarray, k: np.ndarray, vf: np.ndarray, keep: np.ndarray,
+                mag: np.ndarray, s_all: np.ndarray) -> np.ndarray:
+    """The range rule (README): where IEEE arithmetic in the compute type, not the float64
+    oracle, decides an output element, so backends may differ (order of the sums, FMA, flushing
+    of subnormals). Inputs are float64, k and v repeated to Hq heads, vf with non-finite
+    entries zeroed; mag = |scale q| . |k| over the finite terms. An element is unspecified when
+    its row attends a key (mask/causal allow it) whose score's finite terms could overflow
+    (positive or negative part, (mag + |s|)/2, within the dot's rounding of the largest
+    finite value), when scale * q overflows in the compute type, when it underflows (to a
+    subnormal or 0) in a row that attends a key with an infinite k (0 * inf), or when the
+    attended keys' sum of |v| could overflow the unnormalised accumulator of a fused kernel."""
+    ct = p.info.compute
+    big = float(np.finfo(ct).max)
+    u = float(np.finfo(ct).eps) / 2
+    d, sk = p.derived["D"], p.derived["Sk"]
+    with np.errstate(all="ignore"):
+        s_fin = np.where(np.isfinite(s_all), s_all, 0.0)
+        part = 0.5 * (mag + np.abs(np.where(np.isfinite(mag), s_fin, 0.0)))
+        over_s = np.any(keep & (part * (1.0 + 2.0 * (d + 1) * u) >= big), axis=-1)
+        qc = q.astype(ct) * ct.type(p.params["scale"])  # one rounding, as the kernels do
+        fin = np.isfinite(q)
+        over_q = np.any(fin & ~np.isfinite(qc), axis=-1)
+        under_q = np.any(fin & (q != 0) & (np.abs(qc) < float(np.finfo(ct).tiny)), axis=-1)
+        inf_k = np.any(np.isinf(k), axis=-1)[..., None, :]  # (B, H, 1, Sk)
+        under_q &= np.any(keep & inf_k, axis=-1)
+        acc = np.matmul(keep.astype(np.float64), np.abs(vf)) * (1.0 + (sk + 2) * u) >= big
+    return (over_s | over_q | under_q)[..., None] | acc
 
 
 STAT_EXP_ERR = 8.0  # exp's error in units of u (4 ulp), as in softmax.statistical
@@ -308,7 +375,7 @@ SPEC = KernelSpec(
               Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes (CPU schedule, OpenCL)"),
               Tunable("PACK_KV", (0, 1), "copy K transposed and V into padded workspaces "
                       "first; tiles read in place, no barriers (vector path)")),
-    schedules={"gpu": {"BQ": 64, "BK": 32, "TQ": 1, "RQ": 1, "VEC": 1, "PACK_KV": 0},
+    schedules={"gpu": {"BQ": 128, "BK": 16, "TQ": 1, "RQ": 1, "VEC": 1, "PACK_KV": 0},
                "cpu": {"BQ": 1, "BK": 64, "TQ": 4, "RQ": 8, "VEC": 16, "PACK_KV": 1}},
     pallas=pallas_build,
     doc="Fused attention with online softmax; GQA, causal and boolean masks.",

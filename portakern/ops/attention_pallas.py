@@ -4,7 +4,10 @@ One kernel instance per (batch*head, query block). It keeps its query tile, the 
 max ``m``, the running denominator ``l`` and the output accumulator in fast memory and walks the
 key/value blocks of its kv head with an online softmax, so the Sq x Sk score matrix is never
 written to main memory (the point of fusion). Causal key blocks above the diagonal are not
-visited. Boolean masks (broadcastable to (B, Hq, Sq, Sk)) are read tile by tile; grouped-query
+visited. The scale is folded into q before the dot, and non-finite inputs follow
+``attention.semantics`` (NaN in q, k or an attended v row, or a +inf score, make a row NaN;
+a -inf score drops a key; a row with no key to attend is 0 whatever v holds). Boolean masks
+(broadcastable to (B, Hq, Sq, Sk)) are read tile by tile; grouped-query
 attention maps query head h to kv head h // (Hq // Hkv) in the index map, so K and V are never
 repeated in memory.
 
@@ -102,7 +105,8 @@ def _kernel(*refs: Any, has_mask: bool, causal: bool, scale: float, block_q: int
         m_ref = None
     qi = pl.program_id(1)
     hi = lax.Precision.HIGHEST
-    q = q_ref[...].astype(acc_dtype)  # (block_q, Dp), resident for the whole loop
+    # the scale folded into q once, as every implementation does (attention.semantics)
+    q = q_ref[...].astype(acc_dtype) * scale  # (block_q, Dp), resident for the whole loop
     dvp = o_ref.shape[-1]
     neg_inf = jnp.array(-jnp.inf, acc_dtype)
 
@@ -112,7 +116,12 @@ def _kernel(*refs: Any, has_mask: bool, causal: bool, scale: float, block_q: int
         kb = k_ref[pl.ds(start, block_k), :].astype(acc_dtype)
         vb = v_ref[pl.ds(start, block_k), :].astype(acc_dtype)
         s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=hi,
-                            preferred_element_type=acc_dtype) * scale
+                            preferred_element_type=acc_dtype)
+        # a key whose v row holds NaN/inf scores NaN (rows that attend it are NaN); its v
+        # enters p.v zeroed, so rows that do not attend it (weight 0) stay clean
+        finite_v = jnp.isfinite(vb)
+        s = jnp.where(jnp.all(finite_v, axis=1)[None, :], s, jnp.nan)
+        vb = jnp.where(finite_v, vb, jnp.zeros_like(vb))
         kidx = start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
         keep = kidx < sk  # padded keys never count
         if causal:
@@ -142,9 +151,10 @@ def _kernel(*refs: Any, has_mask: bool, causal: bool, scale: float, block_q: int
     else:
         upper = nk
     _, l_fin, acc = lax.fori_loop(0, upper, step, init)
-    alive = l_fin > 0
-    out = jnp.where(alive, acc / jnp.where(alive, l_fin, jnp.ones_like(l_fin)),
-                    jnp.zeros_like(acc))
+    # Dead (no key attended, every score -inf): l is exactly 0 and acc is 0. A NaN score makes
+    # l NaN, even where the max reduction skips NaN (XLA:CPU's does), and NaN is alive: the
+    # test is l == 0, never "l > 0" (which took NaN rows for empty ones and wrote zeros).
+    out = acc / jnp.where(l_fin == 0, jnp.ones_like(l_fin), l_fin)
     o_ref[...] = out.astype(o_ref.dtype)
 
 
