@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="backend selector (repeatable); default: every available target")
     s.add_argument("--ops", default=None, help="comma-separated ops (default: all registered)")
     s.add_argument("--dtypes", default=None, help="comma-separated dtypes (default: all)")
-    s.add_argument("--examples", type=int, default=25, help="random cases per op x dtype")
+    s.add_argument("--examples", type=int, default=None,
+                   help="random cases per op x dtype (default 25; 4 on opencl:oclgrind)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default=None, help="write the result file (JSON) here")
     s.add_argument("--compile-only", action="store_true",
@@ -123,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_tune_parser(sub)
+    from .trace import add_trace_parser
+
+    add_trace_parser(sub)
     return p
 
 

@@ -22,9 +22,34 @@ import numpy as np
 
 from . import __version__, dtypes, selection
 from . import backends as registry
-from .cases import NumpyChooser, case_generator
+from .cases import Chooser, NumpyChooser, case_generator
 from .errors import PortakernError
 from .ops import OPS, plugin_errors
+
+DEFAULT_EXAMPLES = 25  # random cases per op x dtype (--examples)
+SIMULATOR_EXAMPLES = 4  # ... on a simulator (an interpreter), unless --examples says
+
+
+class SimulatorChooser(Chooser):
+    """A chooser for simulators: integer options above ``cap`` are dropped (the smallest is
+    kept when all are above), so every case generator — built-in, a spec's own ``cases`` or
+    one derived from its ``shapes`` — draws shapes an interpreter runs in seconds, still with
+    1, primes and the tile sizes +- 1 up to ``cap``. Other options pass through."""
+
+    def __init__(self, inner: Chooser, cap: int = 65) -> None:
+        self.inner, self.cap = inner, cap
+
+    def choice(self, options: Any) -> Any:
+        opts = list(options)
+        if opts and all(isinstance(o, int) and not isinstance(o, bool) for o in opts):
+            opts = [o for o in opts if o <= self.cap] or [min(opts)]
+        return self.inner.choice(opts)
+
+    def boolean(self, p: float = 0.5) -> bool:
+        return self.inner.boolean(p)
+
+    def seed(self) -> int:
+        return self.inner.seed()
 
 
 def targets(requested: list[str] | None) -> tuple[list[str], dict[str, str]]:
@@ -33,7 +58,8 @@ def targets(requested: list[str] | None) -> tuple[list[str], dict[str, str]]:
     return registry.available_targets()
 
 
-def run_check(target: str, op: str, dtype: str, examples: int, seed: int) -> dict[str, Any]:
+def run_check(target: str, op: str, dtype: str, examples: int | None, seed: int
+              ) -> dict[str, Any]:
     be = selection.get(target)
     spec = OPS[op]
     if dtype not in be.supported_dtypes():
@@ -43,6 +69,11 @@ def run_check(target: str, op: str, dtype: str, examples: int, seed: int) -> dic
         return {"status": "n/a", "why": f"op {op} has no case generator; give its KernelSpec "
                                         "`cases`, `shapes` or `example`"}
     ch = NumpyChooser(np.random.default_rng([seed, hash(op) & 0xFFFF, len(dtype)]))
+    simulator = getattr(be, "simulator", False)
+    if simulator:  # opencl:oclgrind interprets: simulator-sized cases
+        ch = SimulatorChooser(ch)
+    if examples is None:
+        examples = SIMULATOR_EXAMPLES if simulator else DEFAULT_EXAMPLES
     from .verify import compare_arrays
 
     worst, worst_case, t0 = 0.0, "", time.perf_counter()
