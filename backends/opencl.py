@@ -546,5 +546,18 @@ def _array_template(proto: Any) -> dict[str, Any] | None:
 
 
 def _cache_dir() -> str | None:
-    """PyOpenCL's binary cache directory (None = its default under the user cache dir)."""
-    return os.environ.get("PORTAKERN_OPENCL_CACHE") or None
+    """PyOpenCL's binary cache directory (None = its default under the user cache dir).
+
+    Without a home directory ($HOME unset, no passwd entry, no XDG_CACHE_HOME) PyOpenCL's
+    default would be a literal '~' directory under the working directory: then a
+    ``pyopencl`` directory beside portakern's own cache (with its fallback and warning)."""
+    env = os.environ.get("PORTAKERN_OPENCL_CACHE")
+    if env:
+        return env
+    if os.environ.get("HOME") or os.environ.get("XDG_CACHE_HOME"):
+        return None
+    if os.path.expanduser("~") != "~":
+        return None
+    from portakern.cache import cache_root
+
+    return str(cache_root() / "pyopencl")

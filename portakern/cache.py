@@ -65,14 +65,27 @@ class CacheWarning(UserWarning):
 
 
 def cache_root() -> Path:
-    """The directory portakern keeps its files under (not created here)."""
+    """The directory portakern keeps its files under (not created here).
+
+    Without ``$HOME`` and without a passwd entry for this uid (a container run with an
+    arbitrary uid) there is no home directory: then a private directory under the system
+    temporary directory, ``portakern-cache-<uid>``, with one CacheWarning saying so."""
     env = os.environ.get(ENV_DIR)
     if env and env.strip():
-        return Path(env).expanduser()
+        return Path(os.path.expanduser(env))
     xdg = os.environ.get("XDG_CACHE_HOME")
     if xdg and os.path.isabs(xdg):
         return Path(xdg) / "portakern"
-    return Path.home() / ".cache" / "portakern"
+    try:
+        return Path.home() / ".cache" / "portakern"
+    except (RuntimeError, KeyError, OSError):  # no HOME and no passwd entry
+        uid = os.getuid() if _has_uid() else "user"
+        root = Path(tempfile.gettempdir()) / f"portakern-cache-{uid}"
+        warn_once(root, "nohome",
+                  f"portakern: no home directory ($HOME is unset and uid {uid} has no passwd "
+                  f"entry); caching under {root} instead. Fix: set {ENV_DIR} (or HOME or "
+                  "XDG_CACHE_HOME) to a private, writable directory.")
+        return root
 
 
 def warn_once(root: Path | str, kind: str, message: str) -> None:
@@ -104,6 +117,23 @@ def _reject_constant(name: str) -> Any:
 
 def _has_uid() -> bool:
     return hasattr(os, "getuid")
+
+
+def _file_trust_problem(st: os.stat_result) -> str | None:
+    """Why an entry file must not be read (None = fine): it is not a regular file, or another
+    user owns it, or others may write it (anyone who can write it can plant a schedule)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if _has_uid():
+        if st.st_uid not in (os.getuid(), 0):
+            return f"it belongs to another user (uid {st.st_uid})"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return f"it is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+_ENTRY_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,80}-[0-9a-f]{16}\.json$")
+_TEMP_NAME_RE = re.compile(r"^\.tmp-[A-Za-z0-9_-]+\.part$")
 
 
 def _trust_problem(path: Path, st: os.stat_result) -> str | None:
@@ -232,20 +262,26 @@ class Store:
 
     def _read(self, path: Path) -> tuple[str, Any] | None:
         """(key, payload) of one file after every check, or None (damaged files discarded)."""
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+        # O_NOFOLLOW: never through a symlink; O_NONBLOCK: opening a FIFO (or a device) named
+        # like an entry returns at once instead of waiting forever for a writer
+        flags = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                 | getattr(os, "O_BINARY", 0))
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:
             return None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                self._discard(path, "it is a symbolic link")
+                self._skip(path, "it is a symbolic link")
+            else:
+                self._skip(path, f"it cannot be opened ({exc.strerror or exc})")
             return None
         try:
             with os.fdopen(fd, "rb") as f:
                 st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    self._discard(path, "it is not a regular file")
+                why = _file_trust_problem(st)
+                if why is not None:
+                    self._skip(path, why)
                     return None
                 if st.st_size > MAX_FILE_BYTES:
                     self._discard(path, f"it is {st.st_size} bytes, more than {MAX_FILE_BYTES}")
@@ -283,6 +319,13 @@ class Store:
         if digest != want:
             return "its sha256 does not match its contents (corrupted)", "", None
         return None, key, payload
+
+    def _skip(self, path: Path, why: str) -> None:
+        """Ignore a file that is not (or may not be) ours, with a warning; never delete it."""
+        warn_once(path, "skipped",
+                  f"portakern cache: ignored {path} because {why}; it is left as it is. Fix: "
+                  "remove it yourself if it is not needed, or point "
+                  f"{ENV_DIR} at a private directory.")
 
     def _discard(self, path: Path, why: str) -> None:
         warnings.warn(f"portakern cache: discarded {path} because {why}; it will be rebuilt.",
@@ -363,17 +406,96 @@ class Store:
             yield got
 
     def clear(self) -> int:
-        """Remove every entry (and leftover temp files) of this namespace; returns the count."""
-        n = 0
-        if not self.path.is_dir():
-            return 0
-        for p in sorted(self.path.rglob("*"), reverse=True):
+        """Remove this namespace's entries (see ``clear_report``); returns how many."""
+        return sum(1 for p in self.clear_report()[0] if p.name.endswith(SUFFIX))
+
+    def clear_report(self) -> tuple[list[Path], list[tuple[Path, str]]]:
+        """Remove what portakern wrote under this namespace, and nothing else.
+
+        Removed: regular files named like an entry whose envelope is a valid portakern entry
+        of the namespace and key they are filed under, our leftover temp files, and then the
+        namespace directories this emptied. Left (with why): everything else — files of other
+        programs, symlinks (never followed, never removed), FIFOs, damaged files, and any
+        directory that is a symlink or not ours. Returns (removed, left)."""
+        removed: list[Path] = []
+        left: list[tuple[Path, str]] = []
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return removed, left
+        except OSError as exc:
+            return removed, [(self.path, f"cannot be inspected ({exc.strerror or exc})")]
+        if stat.S_ISLNK(st.st_mode):
+            return removed, [(self.path, "it is a symbolic link (not followed)")]
+        why = _trust_problem(self.path, st)
+        if why is not None:
+            return removed, [(self.path, why)]
+        self._clear_dir(self.path, self.namespace, removed, left)
+        return removed, left
+
+    def _clear_dir(self, path: Path, namespace: str, removed: list[Path],
+                   left: list[tuple[Path, str]]) -> None:
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError as exc:
+            left.append((path, f"cannot be listed ({exc.strerror or exc})"))
+            return
+        for e in entries:
+            p = Path(e.path)
             try:
-                if p.is_dir() and not p.is_symlink():
-                    os.rmdir(p)
-                else:
+                if e.is_symlink():
+                    left.append((p, "symbolic link (not followed)"))
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    sub = f"{namespace}/{e.name}"
+                    if not _NAMESPACE_RE.match(sub):
+                        left.append((p, "directory not named like a portakern namespace"))
+                        continue
+                    self._clear_dir(p, sub, removed, left)
+                    try:
+                        os.rmdir(p)  # only if now empty
+                        removed.append(p)
+                    except OSError:
+                        pass
+                    continue
+                if not e.is_file(follow_symlinks=False):
+                    left.append((p, "not a regular file"))
+                    continue
+                if _TEMP_NAME_RE.match(e.name):
                     os.unlink(p)
-                    n += p.name.endswith(SUFFIX)
-            except OSError:
-                pass
-        return n
+                    removed.append(p)
+                    continue
+                why = self._not_our_entry(p, namespace)
+                if why is not None:
+                    left.append((p, why))
+                    continue
+                os.unlink(p)
+                removed.append(p)
+            except OSError as exc:
+                left.append((p, f"cannot be removed ({exc.strerror or exc})"))
+
+    def _not_our_entry(self, path: Path, namespace: str) -> str | None:
+        """None when ``path`` is an entry portakern wrote: the name, then the envelope."""
+        if not _ENTRY_NAME_RE.match(path.name):
+            return "not named like a portakern entry"
+        flags = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                 | getattr(os, "O_BINARY", 0))
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            return f"cannot be opened ({exc.strerror or exc})"
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return "not a regular file"
+            raw = f.read(MAX_FILE_BYTES + 1)
+        try:
+            other = Store(namespace, self.root)
+        except InvalidArgumentError:
+            return "not in a portakern namespace"
+        why, key, _ = other._decode(raw)
+        if why is not None:
+            return f"not a portakern entry: {why}"
+        if other.filename(key) != path:
+            return "its key does not belong to this file name"
+        return None

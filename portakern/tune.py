@@ -806,7 +806,8 @@ def tune(op: str | KernelSpec, backend: str | Backend | None = None, *, budget_s
 def _all_device_keys() -> list[str]:
     base = Store(NAMESPACE).path
     try:
-        return sorted(p.name for p in base.iterdir() if p.is_dir() and _DEVKEY_RE.match(p.name))
+        return sorted(p.name for p in base.iterdir()
+                      if not p.is_symlink() and p.is_dir() and _DEVKEY_RE.match(p.name))
     except OSError:
         return []
 
@@ -835,16 +836,24 @@ def _cmd(args: argparse.Namespace) -> int:
                     print(f"    unusable {e[0]}: {e[1]}")
         return 0
     if args.clear:
+        # only what portakern wrote (entry name + valid envelope), never through a symlink;
+        # everything else is left and listed
         if args.backend:
             be = selection.resolve(args.backend)
             st = store_for(device_key(fingerprint(be)))
-            n = st.clear()
-            print(f"removed {n} tuned entr{'y' if n == 1 else 'ies'} of {be.describe()} "
-                  f"from {st.path}")
+            what = f" of {be.describe()}"
         else:
-            st = Store(NAMESPACE)
-            n = st.clear()
-            print(f"removed {n} tuned entr{'y' if n == 1 else 'ies'} from {st.path}")
+            st, what = Store(NAMESPACE), ""
+        removed, left = st.clear_report()
+        n = sum(1 for p in removed if p.name.endswith(".json"))
+        print(f"removed {n} tuned entr{'y' if n == 1 else 'ies'}{what} from {st.path}")
+        if left:
+            print(f"left {len(left)} path{'' if len(left) == 1 else 's'} that portakern did "
+                  "not write (or cannot remove):")
+            for p, why in left[:50]:
+                print(f"  {p}: {why}")
+            if len(left) > 50:
+                print(f"  ... and {len(left) - 50} more")
         invalidate()
         return 0
     if not args.op:

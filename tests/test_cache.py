@@ -14,6 +14,7 @@ import re
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -283,3 +284,116 @@ def test_no_pickle_or_eval_in_cache_or_tuner() -> None:
                 used.update(a.name for a in node.names)
         assert not used & banned, f"{name} uses {sorted(used & banned)}"
         assert "json" in used
+
+
+# --- issue 19: the store is portakern's alone ------------------------------------------------
+def test_fifo_named_like_an_entry_is_skipped_not_waited_on(root: Path) -> None:
+    """A FIFO where an entry belongs used to hang every op, `portakern info` and
+    `tune --list` (the open waited for a writer). Run in a child with a timeout."""
+    st = Store("tuning/dev")
+    st.put("real", 1)
+    fifo = st.filename("k")
+    os.mkfifo(fifo)
+    code = ("import warnings, sys; from portakern.cache import Store; "
+            "warnings.simplefilter('always'); "
+            "import io, contextlib; "
+            "w = []; warnings.showwarning = lambda m, *a, **k: w.append(str(m)); "
+            "s = Store('tuning/dev'); "
+            "print(s.get('k'), sorted(k for k, _ in s.items()), "
+            "any('not a regular file' in x for x in w))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PORTAKERN_CACHE_DIR": str(root)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["None", "['real']", "True"], r.stdout
+    assert fifo.exists()  # skipped, not deleted
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0,
+                    reason="chown to another user needs root")
+def test_foreign_or_group_writable_entry_files_are_ignored(root: Path) -> None:
+    st = Store("tuning/dev")
+    st.put("a", 1)
+    st.put("b", 2)
+    os.chmod(st.filename("a"), 0o664)
+    os.chown(st.filename("b"), 12345, -1)
+    with pytest.warns(CacheWarning) as rec:
+        assert Store("tuning/dev").get("a") is None
+        assert Store("tuning/dev").get("b") is None
+    text = " ".join(str(w.message) for w in rec)
+    assert "writable by other users" in text and "another user" in text
+    assert st.filename("a").exists() and st.filename("b").exists()
+
+
+def test_group_writable_entry_file_is_ignored_without_root(root: Path) -> None:
+    st = Store("tuning/dev2")
+    st.put("a", 1)
+    os.chmod(st.filename("a"), 0o666)
+    with pytest.warns(CacheWarning, match="writable by other users"):
+        assert Store("tuning/dev2").get("a") is None
+    assert st.filename("a").exists()
+
+
+def test_clear_removes_only_what_portakern_wrote(root: Path, tmp_path: Path) -> None:
+    """`tune --clear` used to delete everything under the tuning directory, follow a
+    symlinked directory into its target, and report 0. Now: entries by name and envelope."""
+    st = Store("tuning/dev")
+    st.put("k1", 1)
+    st.put("k2", 2)
+    mine = [st.filename("k1"), st.filename("k2")]
+    theirs = st.path / "notes.txt"
+    theirs.write_text("a user's file")
+    lookalike = st.path / "x-0123456789abcdef.json"  # named like an entry, not one
+    lookalike.write_text('{"hello": 1}')
+    outside = tmp_path / "project"
+    outside.mkdir()
+    (outside / "data-0123456789abcdef.json").write_text("precious")
+    (st.path.parent / "linked").symlink_to(outside, target_is_directory=True)
+    removed, left = Store("tuning").clear_report()
+    assert set(mine) <= set(removed)
+    assert theirs.exists() and lookalike.exists()
+    assert (outside / "data-0123456789abcdef.json").read_text() == "precious"
+    assert (st.path.parent / "linked").is_symlink()
+    reasons = {p.name: why for p, why in left}
+    assert "notes.txt" in reasons and "x-0123456789abcdef.json" in reasons
+    assert "symbolic link" in reasons["linked"]
+
+
+def test_clear_does_not_follow_a_symlinked_namespace(root: Path, tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.json").write_text("{}")
+    root.mkdir(mode=0o700)
+    (root / "tuning").symlink_to(target, target_is_directory=True)
+    removed, left = Store("tuning").clear_report()
+    assert removed == [] and (target / "keep.json").exists()
+    assert left and "symbolic link" in left[0][1]
+
+
+def test_no_home_and_no_passwd_entry_falls_back_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from portakern import cache
+
+    monkeypatch.delenv("PORTAKERN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("HOME", raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(cache.Path, "home", staticmethod(no_home))
+    cache._WARNED.clear()
+    with pytest.warns(CacheWarning, match="no home directory"):
+        got = cache.cache_root()
+    assert str(got).startswith(tempfile.gettempdir()) and "portakern-cache" in str(got)
+
+
+def test_tune_clear_reports_removed_and_left(root: Path, capsys: pytest.CaptureFixture) -> None:
+    from portakern.cli import main
+
+    st = Store("tuning/opencl-0123456789abcdef")
+    st.put("softmax.x.y", {"a": 1})
+    (st.path / "mine.txt").write_text("keep")
+    assert main(["tune", "--clear"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 1 tuned entry" in out and "left 1 path" in out and "mine.txt" in out
+    assert (st.path / "mine.txt").read_text() == "keep"
