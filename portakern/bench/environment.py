@@ -8,7 +8,7 @@ recorded reason, never a crash, because the machines this runs on differ by desi
 from __future__ import annotations
 
 import datetime
-import getpass
+import hashlib
 import os
 import platform
 import shutil
@@ -19,8 +19,42 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-ENV_PREFIXES = ("OPENBLAS_", "OMP_", "MKL_", "GOTO_", "BLIS_", "CUPY_", "CUDA_", "XLA_",
-                "JAX_", "TF_", "POCL_", "PYOPENCL_", "PORTAKERN_", "NVIDIA_", "HIP_", "ROCR_")
+# The environment variables a result file records: an allow-list of settings that change
+# what is measured (BLAS and OpenMP threading, PoCL, PyOpenCL, CUDA/CuPy, ROCm, XLA/JAX and
+# portakern's own knobs), by exact name. Never a prefix: TF_TOKEN_*, TF_VAR_*, AWS_*,
+# GITHUB_TOKEN, HF_TOKEN and any other variable stay out of files meant to be committed.
+ENV_ALLOW = frozenset((
+    # BLAS / OpenMP / threading
+    "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_VERBOSE", "OPENBLAS_MAIN_FREE",
+    "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "OMP_DYNAMIC", "OMP_SCHEDULE",
+    "OMP_WAIT_POLICY", "OMP_STACKSIZE", "OMP_MAX_ACTIVE_LEVELS", "MKL_NUM_THREADS",
+    "MKL_DYNAMIC", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_THREADING_LAYER",
+    "GOTO_NUM_THREADS", "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "KMP_AFFINITY",
+    "KMP_BLOCKTIME", "GOMP_CPU_AFFINITY",
+    # PoCL / PyOpenCL
+    "POCL_DEVICES", "POCL_MAX_PTHREAD_COUNT", "POCL_CPU_MAX_CU_COUNT", "POCL_AFFINITY",
+    "POCL_KERNEL_CACHE", "POCL_CACHE_DIR", "POCL_WORK_GROUP_METHOD", "POCL_CPU_LOCAL_MEM_SIZE",
+    "POCL_MAX_WORK_GROUP_SIZE", "POCL_DEBUG", "POCL_VECTORIZER_REMARKS", "POCL_CPU_VARIANT",
+    "PYOPENCL_CTX", "PYOPENCL_COMPILER_OUTPUT", "PYOPENCL_NO_CACHE", "PYOPENCL_TEST",
+    "OCL_ICD_VENDORS", "OPENCL_VENDOR_PATH",
+    # CUDA / CuPy / ROCm
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING",
+    "CUDA_PATH", "CUDA_HOME", "CUDA_CACHE_DISABLE", "CUPY_ACCELERATORS", "CUPY_TF32",
+    "CUPY_CACHE_DIR", "CUPY_COMPILE_WITH_DEBUG", "CUPY_CUDA_COMPILE_WITH_DEBUG",
+    "NVIDIA_TF32_OVERRIDE", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES", "HSA_OVERRIDE_GFX_VERSION",
+    # XLA / JAX (and XLA's log level, which is spelled TF_CPP_*)
+    "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS", "JAX_PLATFORM_NAME", "JAX_ENABLE_X64",
+    "JAX_DEFAULT_MATMUL_PRECISION", "JAX_DISABLE_JIT", "JAX_COMPILATION_CACHE_DIR",
+    "JAX_TRACEBACK_FILTERING", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL",
+    # portakern's own
+    "PORTAKERN_BACKEND", "PORTAKERN_CACHE_DIR", "PORTAKERN_COMPILE_JOBS",
+    "PORTAKERN_CUDA_CACHE", "PORTAKERN_EXECUTABLE_CACHE_SIZE", "PORTAKERN_FUNCTION_CACHE_SIZE",
+    "PORTAKERN_HIPCC", "PORTAKERN_HOST_MEMORY_BUDGET", "PORTAKERN_KERNEL_CACHE_SIZE",
+    "PORTAKERN_OCLGRIND", "PORTAKERN_OCLGRIND_ICD", "PORTAKERN_OPENCL_CACHE",
+    "PORTAKERN_OPENCL_POOL", "PORTAKERN_PTXAS", "PORTAKERN_TUNING",
+))
 PACKAGES = ("numpy", "pyopencl", "jax", "jaxlib", "cupy-cuda12x", "cupy-cuda11x", "cupy-rocm-5-0",
             "cupy", "pyclblast", "threadpoolctl", "matplotlib", "ml_dtypes", "portakern",
             "jax-cuda12-plugin", "nvidia-cuda-nvrtc-cu12")
@@ -133,7 +167,16 @@ def versions() -> dict[str, str]:
 
 
 def relevant_env() -> dict[str, str]:
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    """The allow-listed settings (``ENV_ALLOW``) that are set, by exact name."""
+    return {k: _no_home(v) for k, v in sorted(os.environ.items()) if k in ENV_ALLOW}
+
+
+def _no_home(text: str) -> str:
+    """``text`` with the home directory written as '~' (a path would name the user)."""
+    home = os.environ.get("HOME") or os.path.expanduser("~")
+    if home and home not in ("/", "~") and home in text:
+        return text.replace(home, "~")
+    return text
 
 
 def git_info() -> dict[str, Any]:
@@ -151,24 +194,26 @@ def git_info() -> dict[str, Any]:
 
 
 def machine_id() -> str | None:
+    """A hash of the machine id (tells machines apart when files are merged; the raw id is
+    a stable identifier of the machine that result files must not publish)."""
     for p in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
         try:
-            return Path(p).read_text().strip() or None
+            raw = Path(p).read_text().strip()
         except OSError:
             continue
+        if raw:
+            return "sha256:" + hashlib.sha256(f"portakern-machine:{raw}".encode()).hexdigest()[:16]
     return None
 
 
 def collect() -> dict[str, Any]:
-    """The whole environment record of a result file."""
-    try:
-        user = getpass.getuser()
-    except Exception:
-        user = None
+    """The whole environment record of a result file (no user name, no secrets: see
+    ``ENV_ALLOW`` and ``machine_id``; paths under the home directory are written '~/...')."""
     return {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hostname": socket.gethostname(), "machine_id": machine_id(), "user": user,
-        "platform": platform.platform(), "python": sys.version, "executable": sys.executable,
+        "hostname": socket.gethostname(), "machine_id": machine_id(),
+        "platform": platform.platform(), "python": sys.version,
+        "executable": _no_home(sys.executable),
         "cpu": cpu_info(), "gpu": gpu_info(), "opencl": opencl_info(), "jax": jax_info(),
         "versions": versions(), "env": relevant_env(), "git": git_info(),
     }
