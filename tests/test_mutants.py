@@ -13,7 +13,7 @@ import pytest
 
 import portakern as pk
 from portakern import selection
-from portakern.cases import CASES, NumpyChooser, compare
+from portakern.cases import CASES, Case, NumpyChooser, compare
 from portakern.ops import get_op
 
 # the scalar direct matmul path (no vectors, no local tiles): where the rounding mutants sit
@@ -154,6 +154,29 @@ MUTANTS = {
         "attention", "#define AT_KROW(d) (kth + (k0 / BK * DQ_ + (d)) * BK)",
         "#define AT_KROW(d) (kth + (k0 / BK * (DQ_ - 1) + (d)) * BK)",
         {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
+    # non-finite values and range (issue 14, issue 19 item 7): caught by the generator's NaN,
+    # inf, scale and range families through the same comparison (NaN-ness is exact)
+    "attention: a row is empty whenever !(l > 0) (the old Pallas test: NaN rows become 0)": (
+        "attention", "PK_STORE_T(O, (bh * Sq + qi) * DV + d, ar[d] * inv);",
+        "PK_STORE_T(O, (bh * Sq + qi) * DV + d,\n"
+        "                                     !(l[t] > (PK_ACC_T)0) ? (PK_ACC_T)0 : ar[d] * inv);",
+        {}, "float32"),
+    "attention: the scale multiplies the dot after it, not q before it": (
+        "attention",
+        ("int nqb, PK_ACC_T scale,",
+         "    const int g = PK_GROUP_ID(0);\n    const int bh = g / nqb;",
+         "            /* The accumulators are copied into a tile-local array"),
+        ("int nqb, PK_ACC_T scale_after,",
+         "    const PK_ACC_T scale = (PK_ACC_T)1; /* q unscaled */\n"
+         "    const int g = PK_GROUP_ID(0);\n    const int bh = g / nqb;",
+         "            for (int t = 0; t < TQ; ++t)\n"
+         "                for (int c = 0; c < NSV; ++c) sv[t][c] *= (vt)(scale_after);\n"
+         "            /* The accumulators are copied into a tile-local array"),
+        {"BK": 16, "VEC": 16}, "float32"),
+    "attention: a masked key's NaN/inf V row enters P.V unzeroed (packed path)": (
+        "attention", "            bad = 1;\n            x = (PK_ACC_T)0;\n",
+        "            bad = 1;\n",
+        {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
     # rmsnorm is registered like any user op: its mutants run through its spec's own generator
     "rmsnorm: missing barrier in the reduction": (
         "rmsnorm", "            lb[lid] += lb[lid + step];\n        }\n        PK_BARRIER();",
@@ -181,8 +204,12 @@ def kernel_targets() -> list[str]:
 def test_mutant_is_caught(name: str) -> None:
     op, old, new, cfg, dtype = MUTANTS[name]
     spec = get_op(op)
-    assert old in spec.source, f"mutation site for {name!r} not found: the kernel changed"
-    mutant = spec.replace(name=f"{op}_mutant", source=spec.source.replace(old, new, 1))
+    source = spec.source
+    # one edit, or several (a tuple of sites and a tuple of replacements) that make one mutant
+    for o, n in zip(*((old, new) if isinstance(old, tuple) else ((old,), (new,))), strict=True):
+        assert o in source, f"mutation site for {name!r} not found: the kernel changed"
+        source = source.replace(o, n, 1)
+    mutant = spec.replace(name=f"{op}_mutant", source=source)
     # Backends cache kernels and launch plans per (spec name, id(spec)); a freed mutant's id is
     # reused by the next one, which would then run the previous mutant's compiled kernel.
     # Keeping every mutant alive keeps every id unique for the whole session.
@@ -203,3 +230,75 @@ def test_mutant_is_caught(name: str) -> None:
                 caught = True
                 break
         assert caught, f"mutant {name!r} survived 40 cases on {target}"
+
+
+# --- mutants only the simulator catches --------------------------------------------------------
+# Faults whose values come out right on PoCL (work-items run one after another, a read past an
+# array lands in allocator slack, local memory holds yesterday's finite data), so the oracle
+# cannot see them; on a GPU they give wrong answers now and then. The Oclgrind simulator
+# (opencl:oclgrind, tests/test_simulator.py) reports each as a KernelFaultError of the named
+# kind. Each entry: op, old, new, config, dtype, fixed cases, the fault kind it must raise.
+SIMULATOR_MUTANTS = {
+    # the last reduction step writes lm[0]/ls[0], which every item then reads: PoCL runs item
+    # 0 first, so the others see the final value; on a GPU a warp may read it before
+    "softmax: no barrier after the last reduction step (race, right values on PoCL)": (
+        "softmax", "            ls[lid] = ss;\n        }\n        PK_BARRIER();\n    }",
+        "            ls[lid] = ss;\n        }\n        if (step > 1) PK_BARRIER();\n    }",
+        {"WG": 64, "VEC": 1, "UNROLL": 1, "STORE_EXP": 0}, "float32",
+        (((3, 100),), ((2, 65),)), "race"),
+    # a tile slot outside A reads one element past A's end and multiplies it by zero (fmin
+    # keeps the product 0 even for NaN/inf slack): right values, an out-of-bounds read
+    "matmul: local tile loads one past the end of A, times zero (out of bounds)": (
+        "matmul",
+        "As[kk][r] = (gr < M && gk < K) ? PK_LOAD_T(A, ao + gr * K + gk) : (PK_ACC_T)0;",
+        "As[kk][r] = (gr < M && gk < K) ? PK_LOAD_T(A, ao + gr * K + gk)\n"
+        "                : (PK_ACC_T)0 * fmin(fabs(PK_LOAD_T(A, ao + M * K)), (PK_ACC_T)1);",
+        {"USE_LOCAL": 1, "LX": 8, "LY": 8, "TM": 2, "TN": 2, "TK": 8, "VEC": 1, "PACK_B": 0},
+        "float32", (((5, 5), (5, 7)), ((19, 3), (3, 9))), "out-of-bounds"),
+    # the A tile's slots past K are never written, yet read (times B's zeros) by the product
+    "matmul: local A tile slots past K read before they are written (uninitialised)": (
+        "matmul",
+        "As[kk][r] = (gr < M && gk < K) ? PK_LOAD_T(A, ao + gr * K + gk) : (PK_ACC_T)0;",
+        "if (gk < K) As[kk][r] = (gr < M) ? PK_LOAD_T(A, ao + gr * K + gk) : (PK_ACC_T)0;",
+        {"USE_LOCAL": 1, "LX": 8, "LY": 8, "TM": 2, "TN": 2, "TK": 8, "VEC": 1, "PACK_B": 0},
+        "float32", (((5, 5), (5, 7)), ((19, 3), (3, 9))), "uninitialised read"),
+}
+
+# What catches each mutant: the values (the oracle, on every C-kernel target) or the simulator.
+CAUGHT_BY = {**{name: "values" for name in MUTANTS},
+             **{name: "simulator" for name in SIMULATOR_MUTANTS}}
+
+
+def _simulator_available() -> bool:
+    try:
+        from portakern.backends.oclgrind import simulator_info
+    except Exception:
+        return False
+    return simulator_info() is not None
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("name", sorted(SIMULATOR_MUTANTS))
+def test_simulator_mutant_is_caught(name: str) -> None:
+    op, old, new, cfg, dtype, shapes, kind = SIMULATOR_MUTANTS[name]
+    assert CAUGHT_BY[name] == "simulator"
+    spec = get_op(op)
+    assert old in spec.source, f"mutation site for {name!r} not found: the kernel changed"
+    mutant = spec.replace(name=f"{op}_sim_mutant", source=spec.source.replace(old, new, 1))
+    _ALIVE.append(mutant)
+    rng = np.random.default_rng(11)
+    cases = [[rng.standard_normal(s).astype(dtype) for s in shape] for shape in shapes]
+    config = {**spec.config("gpu"), **cfg}
+    # the values do not catch it: on every C-kernel target the oracle accepts the mutant
+    for target in kernel_targets():
+        for arrays in cases:
+            case = Case(dict(zip(spec._operand_names, arrays)), {})
+            out = pk.call(mutant, *arrays, backend=target, config=config)
+            assert compare(spec, case, out).ok, f"{name!r} is caught by values on {target}"
+    if not _simulator_available():
+        pytest.skip("opencl:oclgrind: the Oclgrind simulator is not installed")
+    with pytest.raises(pk.KernelFaultError) as info:
+        for arrays in cases:
+            pk.call(mutant, *arrays, backend="opencl:oclgrind", config=config)
+    assert info.value.kind == kind, str(info.value)
+    assert info.value.source_line and info.value.work_items
