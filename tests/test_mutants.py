@@ -302,3 +302,75 @@ def test_simulator_mutant_is_caught(name: str) -> None:
             pk.call(mutant, *arrays, backend="opencl:oclgrind", config=config)
     assert info.value.kind == kind, str(info.value)
     assert info.value.source_line and info.value.work_items
+
+
+# --- mutants only the simulator catches --------------------------------------------------------
+# Faults whose values come out right on PoCL (work-items run one after another, a read past an
+# array lands in allocator slack, local memory holds yesterday's finite data), so the oracle
+# cannot see them; on a GPU they give wrong answers now and then. The Oclgrind simulator
+# (opencl:oclgrind, tests/test_simulator.py) reports each as a KernelFaultError of the named
+# kind. Each entry: op, old, new, config, dtype, fixed cases, the fault kind it must raise.
+SIMULATOR_MUTANTS = {
+    # the last reduction step writes lm[0]/ls[0], which every item then reads: PoCL runs item
+    # 0 first, so the others see the final value; on a GPU a warp may read it before
+    "softmax: no barrier after the last reduction step (race, right values on PoCL)": (
+        "softmax", "            ls[lid] = ss;\n        }\n        PK_BARRIER();\n    }",
+        "            ls[lid] = ss;\n        }\n        if (step > 1) PK_BARRIER();\n    }",
+        {"WG": 64, "VEC": 1, "UNROLL": 1, "STORE_EXP": 0}, "float32",
+        (((3, 100),), ((2, 65),)), "race"),
+    # a tile slot outside A reads one element past A's end and multiplies it by zero (fmin
+    # keeps the product 0 even for NaN/inf slack): right values, an out-of-bounds read
+    "matmul: local tile loads one past the end of A, times zero (out of bounds)": (
+        "matmul",
+        "As[kk][r] = (gr < M && gk < K) ? PK_LOAD_T(A, ao + gr * K + gk) : (PK_ACC_T)0;",
+        "As[kk][r] = (gr < M && gk < K) ? PK_LOAD_T(A, ao + gr * K + gk)\n"
+        "                : (PK_ACC_T)0 * fmin(fabs(PK_LOAD_T(A, ao + M * K)), (PK_ACC_T)1);",
+        {"USE_LOCAL": 1, "LX": 8, "LY": 8, "TM": 2, "TN": 2, "TK": 8, "VEC": 1, "PACK_B": 0},
+        "float32", (((5, 5), (5, 7)), ((19, 3), (3, 9))), "out-of-bounds"),
+    # the A tile's slots past K are never written, yet read (times B's zeros) by the product
+    "matmul: local A tile slots past K read before they are written (uninitialised)": (
+        "matmul",
+        "As[kk][r] = (gr < M && gk < K) ? PK_LOAD_T(A, ao + gr * K + gk) : (PK_ACC_T)0;",
+        "if (gk < K) As[kk][r] = (gr < M) ? PK_LOAD_T(A, ao + gr * K + gk) : (PK_ACC_T)0;",
+        {"USE_LOCAL": 1, "LX": 8, "LY": 8, "TM": 2, "TN": 2, "TK": 8, "VEC": 1, "PACK_B": 0},
+        "float32", (((5, 5), (5, 7)), ((19, 3), (3, 9))), "uninitialised read"),
+}
+
+# What catches each mutant: the values (the oracle, on every C-kernel target) or the simulator.
+CAUGHT_BY = {**{name: "values" for name in MUTANTS},
+             **{name: "simulator" for name in SIMULATOR_MUTANTS}}
+
+
+def _simulator_available() -> bool:
+    try:
+        from portakern.backends.oclgrind import simulator_info
+    except Exception:
+        return False
+    return simulator_info() is not None
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("name", sorted(SIMULATOR_MUTANTS))
+def test_simulator_mutant_is_caught(name: str) -> None:
+    op, old, new, cfg, dtype, shapes, kind = SIMULATOR_MUTANTS[name]
+    assert CAUGHT_BY[name] == "simulator"
+    spec = get_op(op)
+    assert old in spec.source, f"mutation site for {name!r} not found: the kernel changed"
+    mutant = spec.replace(name=f"{op}_sim_mutant", source=spec.source.replace(old, new, 1))
+    _ALIVE.append(mutant)
+    rng = np.random.default_rng(11)
+    cases = [[rng.standard_normal(s).astype(dtype) for s in shape] for shape in shapes]
+    config = {**spec.config("gpu"), **cfg}
+    # the values do not catch it: on every C-kernel target the oracle accepts the mutant
+    for target in kernel_targets():
+        for arrays in cases:
+            case = Case(dict(zip(spec._operand_names, arrays)), {})
+            out = pk.call(mutant, *arrays, backend=target, config=config)
+            assert compare(spec, case, out).ok, f"{name!r} is caught by values on {target}"
+    if not _simulator_available():
+        pytest.skip("opencl:oclgrind: the Oclgrind simulator is not installed")
+    with pytest.raises(pk.KernelFaultError) as info:
+        for arrays in cases:
+            pk.call(mutant, *arrays, backend="opencl:oclgrind", config=config)
+    assert info.value.kind == kind, str(info.value)
+    assert info.value.source_line and info.value.work_items
