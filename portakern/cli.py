@@ -33,6 +33,8 @@ def _info(args: argparse.Namespace) -> int:
         for d, t in zip(av.devices, tuned, strict=True):
             print(f"         {name}:{d.index}  {d.kind:5s} {d.name}  [{d.vendor} {d.driver}]"
                   f"{'' if d.fp64 else '  (no fp64)'}")
+            if d.extra.get("alias"):  # opencl:oclgrind: what the simulator is for
+                print(f"           = {name}:{d.extra['alias']}: {d.extra.get('purpose', '')}")
             for line in t:
                 print(f"           tuned: {_format_tuned(line)}")
     try:
@@ -124,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_tune_parser(sub)
+    from .trace import add_trace_parser
+
+    add_trace_parser(sub)
     from .trace import add_trace_parser
 
     add_trace_parser(sub)
