@@ -475,6 +475,18 @@ class JaxBackend(Backend):
             with self._fn_lock:
                 self._fns.pop(fn.key, None)
             return self.execute(spec, prob, ins, config)
+        except ValueError as exc:
+            if "incompatible devices" not in str(exc):
+                raise
+            from portakern.errors import ContextMismatchError
+
+            where = "; ".join(f"{o.name}: {sorted(str(d) for d in x.devices())}"
+                              for o, x in zip(spec.operands, args) if hasattr(x, "devices"))
+            raise ContextMismatchError(
+                f"{spec.name}: the jax operands live on different devices ({where}); one call "
+                f"runs on one device (or one sharding). Fix: put them together first, e.g. "
+                f"jax.device_put(x, jax.devices()[0]) for each, or pass numpy arrays and "
+                f"backend='jax:N'.") from None
         except Exception as exc:
             if not _is_oom(exc):
                 raise

@@ -432,6 +432,13 @@ class OpenCLBackend(KernelBackend):
         d["events"] = []
         return arr
 
+    def fill_zero(self, out: Any) -> None:
+        """Zero ``out`` by its bytes: pyopencl's fill() builds a kernel for the element type,
+        which has no mapping for float16/bfloat16 ('unable to map dtype')."""
+        if out.nbytes:
+            cl.enqueue_fill_buffer(self.queue, out.base_data, np.zeros(1, np.uint8),
+                                   out.offset, out.nbytes)
+
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
         return self._allocate(cla.zeros, shape, dtype)
 

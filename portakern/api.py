@@ -7,6 +7,7 @@ from typing import Any
 
 from . import selection
 from .backends.base import NOT_PLANNED, Backend
+from .errors import InvalidArgumentError
 from .ops import get_op
 from .spec import KernelSpec, Problem, params_key_of
 
@@ -19,6 +20,10 @@ def call(op: str | KernelSpec, *args: Any, backend: str | Backend | None = None,
     device array of the result's shape and dtype to write into (C-kernel backends).
     """
     spec = op if isinstance(op, KernelSpec) else get_op(op)
+    if config is not None and not isinstance(config, Mapping):
+        raise InvalidArgumentError(
+            f"{spec.name}: config must be a mapping of tunable names to ints, e.g. "
+            f"{{'TM': 4}}; got {type(config).__name__} {str(config)[:60]!r}. Pass a dict.")
     if not kwargs and not config and spec.all_positional(args):
         # the hot path: operands only, default parameters. A repeat of a call the backend
         # already planned is one lookup there (Backend.call_site); otherwise validate first.
@@ -100,27 +105,29 @@ def _problem(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[str, A
     return prob
 
 
+# The named wrappers take the same keywords as ``call`` (out= included) and refuse unknown
+# ones the same way: with InvalidArgumentError from the spec's binding, not a plain TypeError.
 def matmul(a: Any, b: Any, *, backend: str | Backend | None = None,
-           config: Mapping[str, int] | None = None) -> Any:
+           config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
     """(..., M, K) @ (..., K, N) -> (..., M, N); batch dims broadcast; fp32 accumulation."""
-    return call("matmul", a, b, backend=backend, config=config)
+    return call("matmul", a, b, backend=backend, config=config, **kwargs)
 
 
 def softmax(x: Any, axis: int = -1, *, backend: str | Backend | None = None,
-            config: Mapping[str, int] | None = None) -> Any:
+            config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
     """Stable softmax along ``axis``; a row of only -inf gives zeros."""
-    return call("softmax", x, axis=axis, backend=backend, config=config)
+    return call("softmax", x, axis=axis, backend=backend, config=config, **kwargs)
 
 
 def attention(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
               scale: float | None = None, backend: str | Backend | None = None,
-              config: Mapping[str, int] | None = None) -> Any:
+              config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
     """Fused softmax(scale q k^T [causal, mask]) v; rows with no key to attend give 0."""
     return call("attention", q, k, v, mask=mask, causal=causal, scale=scale, backend=backend,
-                config=config)
+                config=config, **kwargs)
 
 
 def rmsnorm(x: Any, weight: Any, eps: float = 1e-6, *, backend: str | Backend | None = None,
-            config: Mapping[str, int] | None = None) -> Any:
+            config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
     """x / sqrt(mean(x**2, axis=-1) + eps) * weight, fused; weight has shape (x.shape[-1],)."""
-    return call("rmsnorm", x, weight, eps=eps, backend=backend, config=config)
+    return call("rmsnorm", x, weight, eps=eps, backend=backend, config=config, **kwargs)

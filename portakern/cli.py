@@ -64,14 +64,39 @@ def _format_tuned(row: dict) -> str:
     return format_entry(row)
 
 
+def _sizes(text: str | None) -> None:
+    """Refuse a --shape with a negative size before anything is rendered or run."""
+    from .errors import InvalidArgumentError
+    from .show import parse_sizes
+
+    for k, v in parse_sizes(text).items():
+        if v < 0:
+            raise InvalidArgumentError(f"--shape {k}={v}: sizes must be >= 0; e.g. {k}=64.")
+
+
 def _show(args: argparse.Namespace) -> int:
     from .show import show
 
+    _sizes(args.shape)
     print(show(args.op, args.backend, dtype=args.dtype, shape=args.shape))
     return 0
 
 
 def _check(args: argparse.Namespace) -> int:
+    from . import dtypes
+    from .errors import InvalidArgumentError
+    from .ops import get_op
+
+    # a run that would check nothing is an error, not a pass
+    if args.examples is not None and args.examples < 1:
+        raise InvalidArgumentError(f"--examples {args.examples}: expected at least 1 case per "
+                                   "op x dtype, e.g. --examples 25.")
+    for op in (args.ops.split(",") if args.ops else []):
+        get_op(op.strip())  # InvalidArgumentError naming the registered ops
+    for dt in (args.dtypes.split(",") if args.dtypes else []):
+        if dt.strip() not in dtypes.FLOAT_DTYPES:
+            raise InvalidArgumentError(f"--dtypes {dt!r} is not a dtype portakern computes in; "
+                                       f"expected some of {', '.join(dtypes.FLOAT_DTYPES)}.")
     if args.compile_only:
         from .compile_check import main as compile_main
 
@@ -136,12 +161,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: 0 success, 1 a check or run failed, 2 a usage error (argparse's too),
+    130 interrupted. A user's mistake is one line on stderr, never a traceback."""
+    from .errors import PortakernError
+
     args = build_parser().parse_args(argv)
+    if isinstance(getattr(args, "shape", None), str) and args.fn is not _show:
+        try:
+            _sizes(args.shape)
+        except PortakernError as exc:
+            print(f"portakern {args.command}: {exc}", file=sys.stderr)
+            return 2
     try:
         return int(args.fn(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except PortakernError as exc:
+        print(f"portakern {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path the user gave (--out, --plots) that cannot be used
+        print(f"portakern {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

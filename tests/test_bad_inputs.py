@@ -712,3 +712,109 @@ def test_backend_base_checks_host_operands_for_every_backend(name: str) -> None:
     with pytest.raises(pk.NotAnArrayError):
         BAD[name].call(be)
     assert be.uploaded == []  # type: ignore[attr-defined]
+
+
+# --- issue 19: the raw exceptions it listed, each now a PortakernError -----------------------
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_empty_result_into_a_half_precision_out(kernel_target: str, dt: str) -> None:
+    """K = 0 with an fp16/bf16 out=: the zero fill raised ValueError('unable to map dtype')."""
+    st = dtypes.info(dt).storage
+    a, b = np.ones((3, 0), st), np.ones((0, 4), st)
+    be = selection.get(kernel_target)
+    out = pk.to_backend(np.full((3, 4), 7, st), be)
+    got = pk.call("matmul", a, b, backend=be, out=out)
+    assert got is out
+    assert not np.asarray(be.to_numpy(got)).astype(np.float32).any()
+
+
+@pytest.mark.parametrize("config", [3, "TM=4", [("TM", 4)], 1.5])
+def test_config_that_is_not_a_mapping(target: str, config: object) -> None:
+    for call in (lambda: pk.matmul(A, B, backend=target, config=config),
+                 lambda: pk.call("softmax", X, backend=target, config=config)):
+        with pytest.raises(pk.InvalidArgumentError, match="config must be a mapping"):
+            call()
+
+
+@pytest.mark.parametrize("name", ["matmul", "softmax", "attention", "rmsnorm"])
+def test_named_wrappers_refuse_unknown_keywords_like_call(name: str) -> None:
+    args = {"matmul": (A, B), "softmax": (X,), "attention": (Q, Q, Q),
+            "rmsnorm": (X, np.ones(5, f32))}[name]
+    with pytest.raises(pk.InvalidArgumentError, match="bogus"):
+        getattr(pk, name)(*args, bogus=1, backend="numpy")
+    with pytest.raises(pk.InvalidArgumentError, match="bogus"):
+        pk.call(name, *args, bogus=1, backend="numpy")
+
+
+@pytest.mark.parametrize("bad,err", [
+    ("abc", pk.NotAnArrayError), (b"abc", pk.NotAnArrayError), (None, pk.NotAnArrayError),
+    ([1.0, 2.0], pk.NotAnArrayError), (np.array([1 + 2j]), pk.DTypeError),
+    (np.array(["a", "b"]), pk.DTypeError), (np.array([object()]), pk.DTypeError)],
+    ids=["str", "bytes", "None", "list", "complex", "strings", "objects"])
+def test_to_backend_validates_like_an_op(target: str, bad: object, err: type) -> None:
+    with pytest.raises(err):
+        pk.to_backend(bad, target)
+
+
+def test_to_backend_keeps_a_0d_shape_and_checks_the_budget(
+        target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    got = pk.to_backend(np.array(3.0, f32), target)
+    assert tuple(got.shape) == ()
+    if target.startswith("numpy"):
+        return  # a numpy array is numpy's own array: nothing is copied
+    from portakern import host
+
+    monkeypatch.setenv(host.ENV_BUDGET, "1M")
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1, f32), (1 << 26,), (0,))
+    with pytest.raises(pk.PortakernError) as info:
+        pk.to_backend(huge, target)
+    assert isinstance(info.value, MemoryError)
+
+
+_TWO_DEVICES = """
+import jax, numpy as np, portakern as pk
+d = jax.devices("cpu")
+a = jax.device_put(np.ones((2, 2), np.float32), d[0])
+b = jax.device_put(np.ones((2, 2), np.float32), d[1])
+try:
+    pk.matmul(a, b)
+except pk.PortakernError as exc:
+    print(type(exc).__name__, "|", exc)
+"""
+
+
+def test_jax_arrays_on_two_devices() -> None:
+    if not registry.availability("jax").available:
+        pytest.skip("jax is not available here")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _TWO_DEVICES], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("ContextMismatchError |"), r.stdout + r.stderr[-2000:]
+    assert "cpu:0" in r.stdout and "cpu:1" in r.stdout and "device_put" in r.stdout
+
+
+@pytest.mark.parametrize("argv", [
+    ["check", "--ops", "nosuch", "--backend", "numpy"],
+    ["check", "--examples", "-1", "--backend", "numpy", "--ops", "softmax"],
+    ["check", "--dtypes", "int8", "--backend", "numpy", "--ops", "softmax"],
+    ["show", "matmul", "--shape", "M=-5"],
+    ["show", "nosuch"],
+    ["show", "matmul", "--shape", "M=x"],
+    ["tune", "softmax", "--backend", "opencl", "--shape", "R=-1"],
+    ["tune", "softmax", "--backend", "nosuch"],
+], ids=lambda a: " ".join(a))
+def test_cli_user_errors_are_one_line_and_non_zero(argv: list[str],
+                                                   capsys: pytest.CaptureFixture) -> None:
+    """A user's mistake: exit 2, one line on stderr, no traceback; a run that would check
+    nothing (no examples, no dtype portakern computes in) is such a mistake, not a pass."""
+    from portakern.cli import main
+
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, (rc, err)
+    assert "Traceback" not in err and err.startswith(f"portakern {argv[0]}: "), err
