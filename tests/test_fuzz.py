@@ -37,7 +37,7 @@ from portakern.ops import get_op
 from conftest import TARGETS
 
 MAX_EXAMPLES = 120
-EXAMPLE_TIMEOUT_S = 120  # a first compilation under load can take tens of seconds; a hang never ends
+EXAMPLE_TIMEOUT_S = 120  # a first compile under load takes tens of seconds; a hang never ends
 FUZZ_TARGETS = [t for t in TARGETS if t != "jax:pallas"]  # Pallas interprets: ~1 s per shape
 
 OPS = {
