@@ -36,6 +36,13 @@ class Dialect:
     infinity: str
     fp64_pragma: str = ""
     vectors: bool = False  # native vector types with arithmetic (OpenCL floatN); CUDA has none
+    # PK_LAUNCH_BOUNDS(n, m) in front of a kernel's name: launched with at most n work-items
+    # per group, and m such groups should fit on one multiprocessor at once. CUDA:
+    # __launch_bounds__(n, m) (ptxas then keeps registers low enough for m blocks per SM). HIP:
+    # __launch_bounds__(n) only (its second argument means waves per SIMD, another unit);
+    # without it clang assumes 1024-item groups and caps a kernel at 128 VGPRs, spilling the
+    # rest to scratch. OpenCL: nothing (the runtime is told the group size at launch).
+    launch_bounds: str = ""  # format with {n} and {m}
     extra: str = ""
     option_defaults: tuple[str, ...] = field(default=())
 
@@ -78,6 +85,7 @@ DIALECTS: dict[str, Dialect] = {
         as_float="__uint_as_float({x})",
         as_uint="__float_as_uint({x})",
         infinity="__int_as_float(0x7f800000)",
+        launch_bounds="__launch_bounds__({n}, {m})",
     ),
     # AMD through CuPy-ROCm/hipRTC: HIP accepts the CUDA spellings above; only the fp16 header
     # differs. Rendered and documented, not yet run on AMD hardware.
@@ -97,6 +105,7 @@ DIALECTS: dict[str, Dialect] = {
         as_float="__uint_as_float({x})",
         as_uint="__float_as_uint({x})",
         infinity="__int_as_float(0x7f800000)",
+        launch_bounds="__launch_bounds__({n})",
     ),
 }
 
@@ -131,6 +140,7 @@ def _macro_block(d: Dialect) -> str:
         f"#define PK_AS_UINT(x) {d.as_uint.format(x='(x)')}",
         f"#define PK_INFINITY {d.infinity}",
         f"#define PK_HAS_VECTOR {int(d.vectors)}",
+        f"#define PK_LAUNCH_BOUNDS(n, m) {d.launch_bounds.format(n='n', m='m')}",
         "#define PK_CAT_(a, b) a##b",
         "#define PK_CAT(a, b) PK_CAT_(a, b)",
     ]

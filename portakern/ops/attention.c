@@ -29,7 +29,16 @@
 #define DV_ (DV > 0 ? DV : 1)
 #define QI (RQ * TQ) /* queries per work-item */
 #define QB (BQ * QI)  /* queries per work-group */
+/* Groups of BQ items that should be resident on one multiprocessor at once (CUDA's
+ * __launch_bounds__ minimum; ptxas then keeps registers under 65536 / (groups * BQ)). The
+ * scalar path's live state is DV accumulators (two words each in fp64) + AT_SB scores: up to
+ * 64 words it fits 128 registers, a quarter of an SM's 2048 threads; up to 160 words, 255
+ * registers (an eighth); above that no bound is asked (it would only force spills). */
+#define AT_ACC_WORDS (DV_ * (PK_ACC_IS_FLOAT_T ? 1 : 2))
+#define AT_MIN_ITEMS (AT_ACC_WORDS <= 64 ? 512 : AT_ACC_WORDS <= 160 ? 256 : 1)
+#define AT_MIN_GROUPS (AT_MIN_ITEMS / BQ > 0 ? AT_MIN_ITEMS / BQ : 1)
 #define AT_VEC (VEC > 1 && PK_HAS_VECTOR && PK_PLAIN_T && (BK % VEC) == 0)
+#define AT_SB (BK < 8 ? BK : 8) /* keys per online-softmax step of the scalar path */
 #define DVP (((DV_ + VEC - 1) / VEC) * VEC) /* V rows padded to whole vectors */
 /* PACK_KV (CPU schedule): K and V are first copied, once, into zero-padded workspaces: KT
  * (per kv head and key tile, DQ rows of BK keys: each tile of K transposed and contiguous, so
@@ -95,7 +104,7 @@ PK_KERNEL void attention_pack_kv(PK_GLOBAL const PK_T_T* PK_RESTRICT K,
             bad ? AT_NAN : (ok && d < DQ) ? PK_LOAD_T(K, (kvh * Sk + j) * DQ + d) : (PK_ACC_T)0;
 }
 
-PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
+PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                          PK_GLOBAL const PK_T_T* PK_RESTRICT K,
                          PK_GLOBAL const PK_T_T* PK_RESTRICT V,
                          PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
@@ -140,8 +149,15 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
     PK_LOCAL PK_ACC_T Vs[BK][DV_];
     PK_ACC_T acc[QI][DV_];
     for (int t = 0; t < QI; ++t)
+        #pragma unroll
         for (int d = 0; d < DV; ++d) acc[t][d] = (PK_ACC_T)0;
 #endif
+    /* Query element d of the item's query t, scaled. The vector path keeps its query rows in
+     * registers (qr); the scalar (GPU) path reads them again for each tile, from the cache, so
+     * its registers hold only the DV accumulators and one tile's BK scores, every one indexed
+     * by a constant in an unrolled loop (else the array lives on the stack: local/scratch
+     * memory on a GPU, as `portakern resources attention` would show). */
+#define AT_Q(t, d) (PK_LOAD_T(Q, (bh * Sq + min(q0 + (t), Sq - 1)) * DQ + (d)) * scale)
 #if !AT_PACKED
     /* Staged tiles: the loaders zero a V row's NaN/inf entries and stamp the row (and the
      * tile) with k0 + 1, so a stamp from an earlier tile never matches. Every loader that
@@ -156,16 +172,18 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 #else
 #define AT_TBAD 0 /* the packed KT column of a bad V row is NaN already */
 #endif
+#if AT_VEC
     PK_ACC_T qr[QI][DQ_];
-    PK_ACC_T m[QI], l[QI];
-#if !AT_VEC
-    PK_ACC_T sc[BK];
+#else
+    PK_ACC_T sc[AT_SB];
 #endif
+    PK_ACC_T m[QI], l[QI];
     for (int t = 0; t < QI; ++t) {
-        const int qrow = min(q0 + t, Sq - 1);
-        /* the scale folded into q once (every implementation does): no dot * scale - max */
-        for (int d = 0; d < DQ_; ++d)
-            qr[t][d] = (d < DQ) ? PK_LOAD_T(Q, (bh * Sq + qrow) * DQ + d) * scale : (PK_ACC_T)0;
+#if AT_VEC
+        /* the scale folded into q once (every implementation does): no dot * scale - max;
+         * zeros past DQ (a D = 0 packed problem still reads its KT row) */
+        for (int d = 0; d < DQ_; ++d) qr[t][d] = (d < DQ) ? AT_Q(t, d) : (PK_ACC_T)0;
+#endif
         m[t] = -PK_INFINITY;
         l[t] = (PK_ACC_T)0;
     }
@@ -350,33 +368,49 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         for (int t = 0; t < QI; ++t) {
             const int qi = q0 + t;
             const int mrow = b * ms0 + h * ms1 + min(qi, Sq - 1) * ms2;
-            PK_ACC_T bm = -PK_INFINITY;
-            for (int j = 0; j < BK; ++j) {
-                const int kj = k0 + j;
-                int ok = kj < Sk && (!causal || kj <= qi);
-                if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
-                PK_ACC_T s = -PK_INFINITY;
-                if (ok && AT_VBAD(j)) {
-                    s = AT_NAN; /* its V row holds a NaN or an inf */
-                } else if (ok) {
-                    s = (PK_ACC_T)0;
-                    for (int d = 0; d < DQ; ++d) s += qr[t][d] * Ks[j][d];
+            /* The tile in sub-blocks of AT_SB keys, each an online-softmax step: scores with
+             * query elements outer (one cached read each, used AT_SB times) and keys inner,
+             * unrolled, so sc[] stays in registers; then the probabilities; then P.V,
+             * AT_SB x DV unrolled FMAs. Sub-blocks bound what is live at once (DV
+             * accumulators + AT_SB scores) whatever BK is. */
+            for (int jb = 0; jb < BK; jb += AT_SB) {
+                #pragma unroll
+                for (int j = 0; j < AT_SB; ++j) sc[j] = (PK_ACC_T)0;
+                for (int d = 0; d < DQ; ++d) {
+                    const PK_ACC_T qd = AT_Q(t, d);
+                    #pragma unroll
+                    for (int j = 0; j < AT_SB; ++j) sc[j] += qd * Ks[jb + j][d];
                 }
-                sc[j] = s;
-                bm = (s > bm || s != s) ? s : bm;
+                PK_ACC_T bm = -PK_INFINITY;
+                #pragma unroll
+                for (int j = 0; j < AT_SB; ++j) {
+                    const int kj = k0 + jb + j;
+                    int ok = kj < Sk && (!causal || kj <= qi);
+                    if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
+                    /* a key whose V row holds a NaN or an inf scores NaN */
+                    const PK_ACC_T s = !ok ? -PK_INFINITY : AT_VBAD(jb + j) ? AT_NAN : sc[j];
+                    sc[j] = s;
+                    bm = (s > bm || s != s) ? s : bm;
+                }
+                if (bm == -PK_INFINITY) continue; /* nothing to attend in this sub-block */
+                const PK_ACC_T mn = (bm > m[t] || bm != bm) ? bm : m[t];
+                if (mn != m[t]) { /* the max seldom moves after the first keys: no rescale */
+                    const PK_ACC_T corr = exp(m[t] - mn);
+                    l[t] *= corr;
+                    #pragma unroll
+                    for (int d = 0; d < DV; ++d) acc[t][d] *= corr;
+                }
+                #pragma unroll
+                for (int j = 0; j < AT_SB; ++j) {
+                    sc[j] = exp(sc[j] - mn);
+                    l[t] += sc[j];
+                }
+                #pragma unroll
+                for (int j = 0; j < AT_SB; ++j)
+                    #pragma unroll
+                    for (int d = 0; d < DV; ++d) acc[t][d] += sc[j] * Vs[jb + j][d];
+                m[t] = mn;
             }
-            if (bm == -PK_INFINITY) continue; /* nothing to attend in this tile */
-            const PK_ACC_T mn = (bm > m[t] || bm != bm) ? bm : m[t];
-            const PK_ACC_T corr = exp(m[t] - mn);
-            PK_ACC_T lt = l[t] * corr;
-            for (int d = 0; d < DV; ++d) acc[t][d] *= corr;
-            for (int j = 0; j < BK; ++j) {
-                const PK_ACC_T p = exp(sc[j] - mn);
-                lt += p;
-                for (int d = 0; d < DV; ++d) acc[t][d] += p * Vs[j][d];
-            }
-            l[t] = lt;
-            m[t] = mn;
         }
 #endif
 #if !AT_PACKED
@@ -397,6 +431,7 @@ PK_KERNEL void attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         PK_ACC_T* ar = (PK_ACC_T*)&acc[t][0];
         for (int d = 0; d < DV; ++d) PK_STORE_T(O, (bh * Sq + qi) * DV + d, ar[d] * inv);
 #else
+        #pragma unroll
         for (int d = 0; d < DV; ++d) PK_STORE_T(O, (bh * Sq + qi) * DV + d, acc[t][d] * inv);
 #endif
     }

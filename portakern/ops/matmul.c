@@ -55,7 +55,11 @@ PK_KERNEL void matmul_pack_b(PK_GLOBAL const PK_T_T* PK_RESTRICT B,
 }
 #endif
 
-PK_KERNEL void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
+/* CUDA: ask ptxas for two 256-item groups per SM (<= 128 registers: 25% occupancy); left to
+ * itself it keeps the unrolled TK loop's fp64 operands in flight at 155-166 registers (12.5%).
+ * `portakern resources matmul` shows the figures. */
+#define MM_MIN_GROUPS (LX * LY >= 64 && LX * LY <= 512 ? 512 / (LX * LY) : 1)
+PK_KERNEL PK_LAUNCH_BOUNDS(LX * LY, MM_MIN_GROUPS) void matmul(PK_GLOBAL const PK_T_T* PK_RESTRICT A,
                       PK_GLOBAL const PK_T_T* PK_RESTRICT B,
 #if PACK_B
                       PK_GLOBAL const PK_T_T* PK_RESTRICT Bp,
