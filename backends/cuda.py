@@ -514,3 +514,122 @@ def _safe_nvrtc_version() -> str:
         return nvrtc_version()
     except Exception:
         return "?"
+
+
+COMPUTE_ARCHS: tuple[str, ...] = ("70", "80", "90")  # the compile-only check's default
+
+
+def normalize_arch(text: str | int) -> str:
+    """'80', 'compute_80', 'sm_80', '8.0' -> '80'; refuse anything else with the expected form."""
+    s = str(text).strip().lower()
+    for prefix in ("compute_", "sm_"):
+        if s.startswith(prefix):
+            s = s[len(prefix):]
+    s = s.replace(".", "")
+    if not s.isdigit() or not 2 <= len(s) <= 3:
+        raise InvalidArgumentError(
+            f"CUDA architecture {text!r} is not understood; expected a compute capability like "
+            "'80', 'compute_80', 'sm_80' or '8.0'.")
+    return s
+
+
+# --- static resources (no GPU): ptxas on NVRTC's PTX ----------------------------------------
+PTXAS_FIX = ("install the CUDA toolkit's ptxas (it sits beside nvcc: apt-get install "
+             "nvidia-cuda-toolkit, or the NVIDIA CUDA toolkit under /usr/local/cuda/bin), or "
+             "pip install nvidia-cuda-nvcc-cu12; or set PORTAKERN_PTXAS")
+# Per-architecture limits for the occupancy estimate (CUDA C Programming Guide, "Technical
+# Specifications per Compute Capability", and the CUDA occupancy calculator): registers are
+# allocated per warp in units of 256, shared memory per block in units of 128 bytes plus
+# 1 KiB the runtime reserves per block; "smem" is the largest carve-out per SM.
+ARCH_LIMITS: dict[str, dict[str, int]] = {
+    "80": {"warps": 64, "blocks": 32, "regs": 65536, "reg_unit": 256, "max_regs": 255,
+           "smem": 164 * 1024, "smem_unit": 128, "smem_reserved": 1024},
+    "90": {"warps": 64, "blocks": 32, "regs": 65536, "reg_unit": 256, "max_regs": 255,
+           "smem": 228 * 1024, "smem_unit": 128, "smem_reserved": 1024},
+}
+
+
+def find_ptxas() -> str | None:
+    """$PORTAKERN_PTXAS, ptxas on PATH, beside nvcc, $CUDA_PATH/bin, /usr/local/cuda/bin."""
+    import shutil
+
+    env = os.environ.get("PORTAKERN_PTXAS")
+    if env:
+        return env if os.path.isfile(env) else None
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    nvcc = shutil.which("nvcc")
+    roots = [os.path.dirname(nvcc)] if nvcc else []
+    roots += [os.path.join(os.environ[v], "bin") for v in ("CUDA_PATH", "CUDA_HOME")
+              if os.environ.get(v)]
+    roots.append("/usr/local/cuda/bin")
+    return next((os.path.join(r, "ptxas") for r in roots
+                 if os.path.isfile(os.path.join(r, "ptxas"))), None)
+
+
+def ptxas_resources(ptx: bytes | str, arch: str) -> list[dict[str, Any]]:
+    """``ptxas -v --gpu-name sm_<arch>`` on a PTX module: per entry point the registers,
+    stack frame, spill stores/loads, barriers and static shared memory it reports.
+
+    Raises BackendUnavailable (with the install hint) without ptxas, RuntimeError with ptxas's
+    log when it rejects the PTX.
+    """
+    import subprocess
+
+    exe = find_ptxas()
+    if exe is None:
+        raise BackendUnavailable(f"ptxas is not installed (CUDA resource reports need it). "
+                                 f"Fix: {PTXAS_FIX}.")
+    data = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
+    with tempfile.TemporaryDirectory(prefix="portakern-ptxas-") as d:
+        src = os.path.join(d, "kernel.ptx")
+        with open(src, "wb") as f:
+            f.write(data)
+        run = subprocess.run([exe, "-v", "--gpu-name", f"sm_{arch}", src, "-o",
+                              os.path.join(d, "kernel.cubin")],
+                             capture_output=True, text=True, timeout=300)
+    log = run.stderr + run.stdout
+    if run.returncode != 0:
+        raise RuntimeError(f"ptxas rejected the PTX for sm_{arch}:\n{log}")
+    return parse_ptxas_log(log)
+
+
+def parse_ptxas_log(log: str) -> list[dict[str, Any]]:
+    """The per-function lines of ``ptxas -v`` as dicts (kernel, registers, stack_bytes,
+    spill_stores, spill_loads, barriers, shared_bytes)."""
+    import re
+
+    out: list[dict[str, Any]] = []
+    cur: dict[str, Any] | None = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            cur = {"kernel": m.group(1), "registers": 0, "stack_bytes": 0, "spill_stores": 0,
+                   "spill_loads": 0, "barriers": 0, "shared_bytes": 0}
+            out.append(cur)
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
+                      r"loads", line)
+        if m:
+            cur["stack_bytes"], cur["spill_stores"], cur["spill_loads"] = map(int, m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            cur["registers"] = int(m.group(1))
+            b = re.search(r"used (\d+) barriers", line)
+            s = re.search(r"(\d+) bytes smem", line)
+            cur["barriers"] = int(b.group(1)) if b else 0
+            cur["shared_bytes"] = int(s.group(1)) if s else 0
+    return out
+
+
+def ptxas_version() -> str:
+    import subprocess
+
+    exe = find_ptxas()
+    if exe is None:
+        return "not installed"
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    return (out.strip().splitlines() or ["?"])[-1]

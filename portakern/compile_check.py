@@ -34,11 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import codegen, dtypes
+from .backends.cuda import COMPUTE_ARCHS, normalize_arch  # noqa: F401 (re-exported)
 from .errors import BackendUnavailable, CompileError, InvalidArgumentError, PortakernError
 from .ops import OPS, get_op
 from .spec import KernelSpec, Problem
 
-DEFAULT_ARCHS: tuple[str, ...] = ("70", "80", "90")
+DEFAULT_ARCHS: tuple[str, ...] = COMPUTE_ARCHS  # compute_70, 80, 90
 DEFAULT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
 DIALECT = "cuda"
 # Static __shared__ per block: 48 KiB on every CUDA architecture (more only via dynamic shared
@@ -122,11 +123,16 @@ class Case:
     arch: str
     source: str = ""
     error: PortakernError | None = None  # rendering failed (spec, config) before NVRTC ran
+    label: str = ""  # how the arch is shown: compute_80 (default), gfx90a
+
+    @property
+    def arch_label(self) -> str:
+        return self.label or f"compute_{self.arch}"
 
     @property
     def name(self) -> str:
         return f"{self.op}-{self.dtype}-{self.schedule}-{self.problem.replace(' ', '_')}-" \
-               f"compute_{self.arch}"
+               f"{self.arch_label}"
 
 
 @dataclass
@@ -139,6 +145,7 @@ class CompileResult:
     shared_bytes: int = 0  # static shared memory per block, from the PTX
     reused: bool = False  # identical source and arch already compiled in this process
     note: str = ""
+    kernels: list[dict[str, Any]] = field(default_factory=list)  # per-kernel resources (hip)
 
     @property
     def ok(self) -> bool:
@@ -147,7 +154,7 @@ class CompileResult:
     def as_dict(self) -> dict[str, Any]:
         c = self.case
         d: dict[str, Any] = {"op": c.op, "dtype": c.dtype, "schedule": c.schedule,
-                             "problem": c.problem, "arch": f"compute_{c.arch}",
+                             "problem": c.problem, "arch": c.arch_label,
                              "status": self.status, "seconds": round(self.seconds, 4),
                              "ptx_bytes": self.ptx_bytes, "shared_bytes": self.shared_bytes,
                              "reused": self.reused}
@@ -160,20 +167,6 @@ class CompileResult:
         elif self.error is not None:
             d["error"] = str(self.error)
         return d
-
-
-def normalize_arch(text: str | int) -> str:
-    """'80', 'compute_80', 'sm_80', '8.0' -> '80'; refuse anything else with the expected form."""
-    s = str(text).strip().lower()
-    for prefix in ("compute_", "sm_"):
-        if s.startswith(prefix):
-            s = s[len(prefix):]
-    s = s.replace(".", "")
-    if not s.isdigit() or not 2 <= len(s) <= 3:
-        raise InvalidArgumentError(
-            f"CUDA architecture {text!r} is not understood; expected a compute capability like "
-            "'80', 'compute_80', 'sm_80' or '8.0'.")
-    return s
 
 
 def _nvrtc() -> Any:
@@ -301,9 +294,10 @@ def default_jobs() -> int:
 
 
 def cases(archs: Iterable[str] = DEFAULT_ARCHS, ops: Iterable[str] | None = None,
-          dtypes_: Iterable[str] | None = None) -> list[Case]:
+          dtypes_: Iterable[str] | None = None, dialect: str = DIALECT,
+          normalize: Callable[[str], str] = normalize_arch) -> list[Case]:
     """Every (op, dtype, schedule, problem, arch) with its rendered source (no NVRTC yet)."""
-    arch_list = [normalize_arch(a) for a in archs]
+    arch_list = [normalize(a) for a in archs]
     op_names = list(OPS) if ops is None else list(ops)
     out: list[Case] = []
     for op in op_names:
@@ -323,7 +317,7 @@ def cases(archs: Iterable[str] = DEFAULT_ARCHS, ops: Iterable[str] | None = None
                     src, err = "", None
                     try:
                         cfg = spec.config(sched, None, prob)
-                        src = codegen.render(spec.source, DIALECT, slots=spec.slots(prob),
+                        src = codegen.render(spec.source, dialect, slots=spec.slots(prob),
                                              defines=spec.defines(prob, cfg))
                     except PortakernError as exc:
                         err = exc
@@ -438,9 +432,10 @@ class _Table:
     archs: list[str]
     rows: dict[tuple[str, str, str, str], dict[str, CompileResult]] = field(default_factory=dict)
     printed: int = 0
+    label: Callable[[str], str] = lambda a: "compute_" + a
 
     def header(self) -> str:
-        cols = "".join(f"{'compute_' + a:>12s}" for a in self.archs)
+        cols = "".join(f"{self.label(a):>12s}" for a in self.archs)
         return f"{'op':10s} {'dtype':9s} {'schedule':8s} {'problem':18s}{cols}"
 
     def add(self, r: CompileResult) -> str | None:
@@ -455,17 +450,23 @@ class _Table:
 
 def main(args: argparse.Namespace) -> int:
     """``portakern check --backend cuda --compile-only``: print the table; non-zero on failure."""
-    wanted = [b.split(":")[0] for b in (_split(getattr(args, "backend", None)) or ["cuda"])]
-    for b in wanted:
-        if b == "hip":
-            print("compile-only for hip needs hipRTC (a ROCm install); it is not available "
-                  "here. The hip dialect is rendered by `portakern show OP --backend hip`; "
-                  "see docs/cuda.md (AMD/HIP).")
-            return 2
-        if b != "cuda":
-            print(f"--compile-only checks the cuda dialect with NVRTC; got backend {b!r}. Run "
-                  f"`portakern check --backend {b}` to build and run its kernels on a device.")
-            return 2
+    from .backends import compile_only
+
+    try:
+        targets = [compile_only.get(b) for b in
+                   (_split(getattr(args, "backend", None)) or ["cuda"])]
+    except PortakernError as exc:
+        print(f"error: {exc}")
+        return 2
+    rc = 0
+    for target in {t.name: t for t in targets}.values():
+        run = hip_main if target.compiler == "hipcc" else _nvrtc_main
+        rc = max(rc, run(args))
+    return rc
+
+
+def _nvrtc_main(args: argparse.Namespace) -> int:
+    """The CUDA dialect through NVRTC for compute_XX."""
     try:
         archs = [normalize_arch(a) for a in (_split(getattr(args, "arch", None))
                                              or DEFAULT_ARCHS)]
@@ -542,3 +543,144 @@ def result_summary(results: Iterable[CompileResult]) -> Mapping[str, int]:
     for r in results:
         counts[r.status] = counts.get(r.status, 0) + 1
     return counts
+
+
+# --- AMD: the hip dialect through hipcc (portakern.backends.hip) -----------------------------
+_HIP_MEMO: dict[tuple[str, str], CompileResult] = {}
+
+
+def _hip() -> Any:
+    from .backends import hip
+
+    return hip
+
+
+def hip_cases(archs: Iterable[str] | None = None, ops: Iterable[str] | None = None,
+              dtypes_: Iterable[str] | None = None) -> list[Case]:
+    """Every op x dtype x schedule x problem rendered in the hip dialect, per gfx target."""
+    hip = _hip()
+    out = cases(archs or hip.DEFAULT_ARCHS, ops, dtypes_, dialect=hip.DIALECT,
+                normalize=hip.normalize_arch)
+    for c in out:
+        c.label = c.arch
+    return out
+
+
+def compile_case_hip(case: Case) -> CompileResult:
+    """Compile one hip case with hipcc (identical source+arch compiled once per process)."""
+    if case.error is not None:
+        return CompileResult(case, "FAIL", error=case.error, note="rendering failed")
+    if not case.source:
+        return CompileResult(case, "skip", note=f"no representative problem for {case.op!r}; "
+                             "add one with compile_check.register_representative")
+    key = (hashlib.sha256(case.source.encode()).hexdigest(), case.arch)
+    prev = _HIP_MEMO.get(key)
+    if prev is not None:
+        return CompileResult(case, prev.status, 0.0, prev.error, prev.ptx_bytes,
+                             prev.shared_bytes, reused=True,
+                             note=f"same source as {prev.case.name}", kernels=prev.kernels)
+    res = _hip().compile_source(case.source, case.arch, f"{case.op}.hip")
+    if not res.ok:
+        err = CompileError(f"hipcc failed to compile {case.op}.hip for {case.arch}",
+                           source=case.source, log=res.log, options=res.command,
+                           device=f"hipcc {case.arch} (compile only, {_hip().version()})")
+        out = CompileResult(case, "FAIL", res.seconds, error=err)
+    else:
+        out = CompileResult(case, "ok", res.seconds, ptx_bytes=res.object_bytes,
+                            shared_bytes=max((k["lds_bytes"] for k in res.kernels), default=0),
+                            kernels=res.kernels)
+    _HIP_MEMO[key] = out
+    return out
+
+
+def compile_hip_source(source: str, arch: str, name: str = "portakern.hip") -> CompileResult:
+    """Compile one rendered hip source; raise CompileError (log + numbered source) on failure."""
+    stem = name[:-4] if name.endswith(".hip") else name  # compiled as <stem>.hip
+    res = compile_case_hip(Case(stem, "-", "-", "-", _hip().normalize_arch(arch), source,
+                                label=arch))
+    if res.error is not None:
+        raise res.error
+    return res
+
+
+def compile_cases_hip(todo: Sequence[Case], progress: Callable[[CompileResult], None] | None
+                      = None, jobs: int | None = None) -> list[CompileResult]:
+    """Compile hip cases, distinct sources on ``jobs`` threads (each a hipcc process)."""
+    import concurrent.futures
+
+    jobs = default_jobs() if jobs is None else max(1, int(jobs))
+    first: dict[tuple[str, str], Case] = {}
+    for c in todo:
+        if c.source and c.error is None:
+            first.setdefault((hashlib.sha256(c.source.encode()).hexdigest(), c.arch), c)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futs = {id(c): pool.submit(compile_case_hip, c) for c in first.values()}
+        results = []
+        for c in todo:
+            fut = futs.pop(id(c), None)
+            res = fut.result() if fut is not None else compile_case_hip(c)
+            results.append(res)
+            if progress is not None:
+                progress(res)
+    return results
+
+
+def hip_main(args: argparse.Namespace) -> int:
+    """``portakern check --backend hip --compile-only``: every op x dtype x schedule for each
+    gfx target this hipcc accepts; the refused further targets listed with the reason."""
+    hip = _hip()
+    try:
+        hip.require_hipcc()
+        ver = hip.version()
+        given = _split(getattr(args, "arch", None))
+        archs = [hip.normalize_arch(a) for a in
+                 (given or list(hip.DEFAULT_ARCHS) + list(hip.FURTHER_ARCHS))]
+        ops = _split(getattr(args, "ops", None))
+        dts = _split(getattr(args, "dtypes", None))
+        for op in ops or ():
+            get_op(op)
+        for dt in dts or ():
+            dtypes.info(dt)
+    except PortakernError as exc:
+        print(f"error: {exc}")
+        return 2
+    required = set(given or hip.DEFAULT_ARCHS)
+    refused = {a: why for a in archs if (why := hip.probe_arch(a))}
+    accepted = [a for a in archs if a not in refused]
+    print(f"portakern compile-only check: hipcc ({ver}), dialect {hip.DIALECT}, HIP_PLATFORM=amd,"
+          f" options {' '.join(hip.compile_options())}")
+    print(f"targets accepted by this toolchain: {', '.join(accepted) or '(none)'}")
+    for a, why in refused.items():
+        print(f"target {a} not accepted{' (REQUIRED)' if a in required else ''}: {why}")
+    table = _Table(accepted, label=lambda a: a)
+    print(table.header())
+
+    def progress(r: CompileResult) -> None:
+        line = table.add(r)
+        if line is not None:
+            print(line, flush=True)
+
+    t0 = time.perf_counter()
+    results = compile_cases_hip(hip_cases(accepted, ops, dts), progress)
+    wall = time.perf_counter() - t0
+    failed = [r for r in results if r.status == "FAIL"]
+    skipped = [r for r in results if r.status == "skip"]
+    _print_failures(failed)
+    for r in {r.case.op: r for r in skipped}.values():
+        print(f"SKIPPED {r.case.op}: {r.note}")
+    missing = sorted(required & set(refused))
+    compiled = sum(1 for r in results if r.status != "skip" and not r.reused)
+    print(f"\n{len(results)} cases ({compiled} compiled, "
+          f"{sum(r.reused for r in results)} identical sources reused), {len(failed)} failed, "
+          f"{len(skipped)} skipped, {len(refused)} targets not accepted"
+          f"{' (' + ', '.join(missing) + ' required)' if missing else ''}, {wall:.1f} s")
+    out = getattr(args, "out", None)
+    if out:
+        with open(out, "w") as f:
+            json.dump({"kind": "compile-only", "compiler": f"hipcc {ver}",
+                       "options": list(hip.compile_options()), "archs": accepted,
+                       "refused": refused, "seconds": round(wall, 2),
+                       "results": [r.as_dict() | {"kernels": r.kernels} for r in results]},
+                      f, indent=1)
+        print(f"results written to {out}")
+    return 1 if failed or missing else 0

@@ -174,10 +174,8 @@ def test_cli_routes_compile_only(capsys) -> None:  # noqa: ANN001
 def test_main_refuses_other_backends(capsys) -> None:  # noqa: ANN001
     ns = argparse.Namespace(backend=["opencl"], ops=None, dtypes=None, arch=None, out=None)
     assert compile_check.main(ns) == 2
-    assert "portakern check --backend opencl" in capsys.readouterr().out
-    ns.backend = ["hip"]
-    assert compile_check.main(ns) == 2
-    assert "hipRTC" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "portakern check --backend opencl" in out and "cuda, hip" in out  # hip: hipcc
 
 
 def test_arch_spellings() -> None:
