@@ -1,4 +1,4 @@
-"""The ``portakern`` command: info | show | check | bench | report | tune.
+"""The ``portakern`` command: info | show | check | resources | bench | report | tune.
 
 Each subcommand lives in the module that owns its job; this file only wires arguments.
 """
@@ -135,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile every op x dtype x schedule for the backend's dialect without "
                         "running (CUDA via NVRTC for several architectures; no GPU needed)")
     s.add_argument("--arch", action="append", default=None,
-                   help="with --compile-only: CUDA virtual architectures (default 70, 80, 90)")
+                   help="with --compile-only: CUDA compute capabilities (default 70, 80, 90) "
+                        "or AMD gfx targets (default gfx906, gfx90a, gfx1030 and any further "
+                        "one hipcc accepts)")
     s.set_defaults(fn=_check)
 
     try:
@@ -145,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_bench_parser(sub)
         add_report_parser(sub)
+    from .resources import add_resources_parser
+
+    add_resources_parser(sub)
     try:
         from .tune import add_tune_parser
     except ImportError:

@@ -1,0 +1,351 @@
+"""``portakern resources OP``: what each GPU kernel of an op needs, read from the compilers
+without a GPU, and the theoretical occupancy that follows.
+
+For the op's default GPU schedule (and any ``--schedule`` or configuration given), rendered for
+a representative problem (portakern.compile_check's table: attention ``gqa d64``, matmul
+``a(2,64,48)@b(48,80)``, softmax ``x(8,1000)``, rmsnorm's example), each launched kernel is
+compiled and measured:
+
+* NVIDIA (``--backend cuda``): NVRTC's PTX for compute_XX, then ``ptxas -v --gpu-name sm_XX``:
+  registers per thread, stack frame, spill stores/loads, barriers, static shared memory.
+* AMD (``--backend hip``): hipcc's code object for gfxXXXX, its metadata: VGPRs (on gfx90a
+  the unified VGPR+AGPR count), AGPRs, SGPRs, VGPR/SGPR spills, private (scratch) bytes per
+  work-item, LDS bytes, and the ``s_barrier`` instructions.
+
+Theoretical occupancy = resident warps (waves) per SM (CU) / the most the SM (CU) holds, from
+the registers, shared memory / LDS and group size, with the per-architecture limits in
+``portakern.backends.cuda.ARCH_LIMITS`` (sm_80, sm_90) and ``portakern.backends.hip
+.ARCH_LIMITS`` (gfx906, gfx90a, gfx1030; gfx1030 per WGP, the compiler's default mode). The
+limiting resource is named. What these figures cannot say: how fast the kernel runs (memory
+traffic, latency hiding, bank conflicts, instruction mix), and whether the run-time compiler
+of a given driver allocates the same registers; they are a floor on waste (a spill or a
+stack array is memory traffic a GPU pays on every access), not a prediction of time.
+
+The floor held in CI (tests/test_resources.py): default GPU schedules of every built-in op x
+dtype on sm_80, sm_90 and gfx90a have no spills, no stack/private bytes, and at least 25%
+occupancy, or the floor an op states in its module docstring as ``Occupancy floor: N% for
+DTYPES`` with its justification.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import codegen, dtypes
+from .errors import BackendUnavailable, PortakernError
+from .ops import get_op
+from .spec import KernelSpec
+
+DEFAULT_FLOOR = 0.25
+FLOOR_ARCHS: dict[str, tuple[str, ...]] = {"cuda": ("80", "90"), "hip": ("gfx90a",)}
+
+
+@dataclass
+class KernelReport:
+    """One kernel of one op on one architecture (the --json fields first)."""
+
+    kernel: str
+    arch: str
+    registers: int  # per thread / work-item (AMD: VGPRs, unified with AGPRs on gfx90a)
+    spill_bytes: int  # bytes stored by spills per thread (AMD: 4 x spilled VGPRs)
+    stack_bytes: int  # stack frame (NVIDIA) / private segment (AMD) per thread
+    shared_bytes: int  # static shared memory / LDS per group
+    occupancy: float | None  # theoretical, 0..1; None without a limits table for the arch
+    op: str = ""
+    dtype: str = ""
+    schedule: str = ""
+    problem: str = ""
+    config: dict[str, int] = field(default_factory=dict)
+    group_size: int = 0
+    spill_loads: int = 0
+    barriers: int = 0
+    sgpr: int | None = None
+    agpr: int | None = None
+    resident: int = 0  # warps / waves per SM / CU (WGP for gfx1030)
+    resident_max: int = 0
+    limiter: str = ""
+    unit: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["occupancy"] = None if self.occupancy is None else round(self.occupancy, 4)
+        return d
+
+    @property
+    def clean(self) -> bool:
+        return self.spill_bytes == 0 and self.spill_loads == 0 and self.stack_bytes == 0
+
+
+# --- occupancy ---------------------------------------------------------------------------
+def _up(x: int, unit: int) -> int:
+    return -(-x // unit) * unit if unit else x
+
+
+def occupancy_nvidia(lim: Mapping[str, int], threads: int, regs: int, smem: int
+                     ) -> tuple[int, int, str]:
+    """(resident warps per SM, max warps, limiter) as the CUDA occupancy calculator has it."""
+    wpb = max(1, -(-threads // 32))
+    caps = {"warps": lim["warps"] // wpb, "blocks": lim["blocks"]}
+    if regs:
+        per_warp = _up(regs * 32, lim["reg_unit"])
+        caps["registers"] = (lim["regs"] // per_warp) // wpb
+    per_block = _up(smem + lim["smem_reserved"], lim["smem_unit"])
+    caps["shared memory"] = lim["smem"] // per_block
+    limiter = min(caps, key=lambda k: (caps[k], k not in ("warps", "blocks")))
+    return caps[limiter] * wpb, lim["warps"], limiter
+
+
+def occupancy_amd(lim: Mapping[str, int], threads: int, wave: int, vgpr: int, sgpr: int,
+                  lds: int) -> tuple[int, int, str]:
+    """(resident waves per CU/WGP, max waves, limiter): per SIMD from VGPRs/SGPRs, whole
+    work-groups from LDS and the wave slots."""
+    wpg = max(1, -(-threads // wave))
+    simds, maxw = lim["simds"], lim["waves_per_simd"]
+    per_simd = {"waves": maxw}
+    if vgpr:
+        per_simd["VGPRs"] = lim["vgprs"] // _up(vgpr, lim["vgpr_granule"])
+    if sgpr and lim["sgprs"]:
+        per_simd["SGPRs"] = lim["sgprs"] // _up(sgpr, lim["sgpr_granule"])
+    caps = {k: (v * simds) // wpg for k, v in per_simd.items()}
+    if lds:
+        caps["LDS"] = lim["lds"] // _up(lds, lim["lds_granule"])
+    limiter = min(caps, key=lambda k: (caps[k], k != "waves"))
+    return caps[limiter] * wpg, maxw * simds, limiter
+
+
+# --- floors ------------------------------------------------------------------------------
+_FLOOR = re.compile(r"occupancy floor:\s*([\d.]+)\s*%(?:\s+for\s+([\w, ]+?))?\s*[.;:(\n]",
+                    re.I)
+
+
+def occupancy_floor(spec: KernelSpec, dtype: str) -> float:
+    """The op's stated floor for ``dtype`` ('Occupancy floor: 12.5% for float64.' in the op
+    module's docstring), else 25%."""
+    mod = sys.modules.get(getattr(spec.semantics, "__module__", "") or "")
+    text = " ".join(x for x in (getattr(mod, "__doc__", "") or "", spec.doc or "") if x)
+    for pct, which in _FLOOR.findall(text + "\n"):
+        names = {w.strip() for w in re.split(r"[,\s]+", which or "") if w.strip()} - {"and"}
+        if not names or dtype in names:
+            return float(pct) / 100.0
+    return DEFAULT_FLOOR
+
+
+# --- measuring ---------------------------------------------------------------------------
+def render(spec: KernelSpec, dialect: str, dtype: str, schedule: str = "gpu",
+           config: Mapping[str, int] | None = None, problem: int = 0
+           ) -> tuple[str, str, dict[str, int], dict[str, int]]:
+    """(problem label, rendered source, config, {kernel: group size}) for the op's
+    representative problem number ``problem``."""
+    from .compile_check import representative_problems
+
+    probs = representative_problems(spec, dtype)
+    if not probs:
+        raise PortakernError(f"{spec.name}: no representative problem to render; register one "
+                             "with portakern.compile_check.register_representative.")
+    label, prob = probs[problem]
+    cfg = spec.config(schedule, dict(config) if config else None, prob)
+    src = codegen.render(spec.source, dialect, slots=spec.slots(prob),
+                         defines=spec.defines(prob, cfg))
+    sizes: dict[str, int] = {}
+    for launch in spec.launches(prob, cfg):
+        n = launch.local[0] * launch.local[1] * launch.local[2]
+        sizes[launch.kernel] = max(sizes.get(launch.kernel, 0), n)
+    return label, src, cfg, sizes
+
+
+def measure(op: str, backend: str = "cuda", arch: str | None = None, dtype: str = "float32",
+            schedule: str = "gpu", config: Mapping[str, int] | None = None, problem: int = 0
+            ) -> list[KernelReport]:
+    """Resources and occupancy of each kernel the op launches (BackendUnavailable without the
+    tool; CompileError when the kernel does not compile)."""
+    from .backends import compile_only
+
+    target = compile_only.get(backend)
+    spec = get_op(op)
+    dtype = dtypes.info(dtype).name
+    arch = target.normalize_arch(arch or target.resource_archs[0])
+    label, src, cfg, sizes = render(spec, target.dialect, dtype, schedule, config, problem)
+    base = {"op": spec.name, "dtype": dtype, "schedule": schedule, "problem": label,
+            "config": dict(cfg)}
+    if target.compiler == "hipcc":
+        return _amd(target, src, arch, sizes, base)
+    return _nvidia(target, src, arch, sizes, base)
+
+
+def _nvidia(target: Any, src: str, arch: str, sizes: Mapping[str, int],
+            base: dict[str, Any]) -> list[KernelReport]:
+    from .backends import cuda
+    from .compile_check import compile_source
+
+    if cuda.find_ptxas() is None:
+        raise BackendUnavailable(f"ptxas is not installed (CUDA resource reports need it). "
+                                 f"Fix: {cuda.PTXAS_FIX}.")
+    ptx = compile_source(src, arch, name=f"{base['op']}.cu")
+    lim = cuda.ARCH_LIMITS.get(arch)
+    out = []
+    for k in cuda.ptxas_resources(ptx, arch):
+        if k["kernel"] not in sizes:
+            continue  # compiled but not launched by this schedule (e.g. attention_pack_kv)
+        n = sizes[k["kernel"]]
+        rep = KernelReport(k["kernel"], target.arch_label(arch), k["registers"],
+                           k["spill_stores"], k["stack_bytes"], k["shared_bytes"], None,
+                           group_size=n, spill_loads=k["spill_loads"], barriers=k["barriers"],
+                           unit="SM", **base)
+        if lim:
+            rep.resident, rep.resident_max, rep.limiter = occupancy_nvidia(
+                lim, n, k["registers"], k["shared_bytes"])
+            rep.occupancy = rep.resident / rep.resident_max
+        out.append(rep)
+    return out
+
+
+def _amd(target: Any, src: str, arch: str, sizes: Mapping[str, int],
+         base: dict[str, Any]) -> list[KernelReport]:
+    from .backends import hip
+    from .compile_check import compile_hip_source
+
+    res = compile_hip_source(src, arch, name=f"{base['op']}.hip")
+    lim = hip.ARCH_LIMITS.get(arch)
+    out = []
+    for k in res.kernels:
+        if k["kernel"] not in sizes:
+            continue
+        n = sizes[k["kernel"]]
+        rep = KernelReport(k["kernel"], arch, k["vgpr"], 4 * k["vgpr_spills"],
+                           k["private_bytes"], k["lds_bytes"], None, group_size=n,
+                           spill_loads=4 * k["vgpr_spills"], barriers=k["barriers"],
+                           sgpr=k["sgpr"], agpr=k["agpr"],
+                           unit="WGP" if lim and lim["vgprs"] > 512 else "CU", **base)
+        if lim:
+            rep.resident, rep.resident_max, rep.limiter = occupancy_amd(
+                lim, n, k["wave_size"], k["vgpr"], k["sgpr"], k["lds_bytes"])
+            rep.occupancy = rep.resident / rep.resident_max
+        out.append(rep)
+    return out
+
+
+# --- the command -------------------------------------------------------------------------
+def _split(values: Iterable[str] | None) -> list[str]:
+    return [p.strip() for v in values or () for p in str(v).split(",") if p.strip()]
+
+
+def format_table(reports: Sequence[KernelReport]) -> str:
+    head = (f"{'kernel':18s} {'dtype':9s} {'arch':8s} {'regs':>5s} {'sgpr':>5s} {'agpr':>5s} "
+            f"{'spill B':>8s} {'stack B':>8s} {'shared B':>9s} {'bar':>4s} {'group':>6s} "
+            f"{'occupancy':>22s}  limited by")
+    lines = [head]
+    for r in reports:
+        occ = "n/a (no limits table)" if r.occupancy is None else \
+            f"{r.occupancy:5.1%} ({r.resident}/{r.resident_max} {'warps' if r.unit == 'SM' else 'waves'}/{r.unit})"  # noqa: E501
+        lines.append(
+            f"{r.kernel:18s} {r.dtype:9s} {r.arch:8s} {r.registers:5d} "
+            f"{'-' if r.sgpr is None else r.sgpr:>5} {'-' if r.agpr is None else r.agpr:>5} "
+            f"{r.spill_bytes:8d} {r.stack_bytes:8d} {r.shared_bytes:9d} {r.barriers:4d} "
+            f"{r.group_size:6d} {occ:>22s}  {r.limiter}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from .backends import compile_only
+
+    try:
+        backends = _split(args.backend) or ["cuda", "hip"]
+        targets = [compile_only.get(b) for b in backends]
+        dts = _split(args.dtype) or ["float32"]
+        if dts == ["all"]:
+            dts = ["float32", "float16", "bfloat16", "float64"]
+        dts = [dtypes.info(d).name for d in dts]
+        schedules = _split(args.schedule) or ["gpu"]
+        config = {}
+        for item in _split(args.config):
+            k, _, v = item.partition("=")
+            config[k.strip()] = int(v)
+        get_op(args.op)
+    except (PortakernError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 2
+    reports: list[KernelReport] = []
+    problems: list[str] = []
+    rc = 0
+    for t in targets:
+        archs = [t.normalize_arch(a) for a in _split(args.arch)
+                 if _arch_belongs(t, a)] or list(t.resource_archs)
+        for arch in archs:
+            for dt in dts:
+                for sched in schedules:
+                    try:
+                        reports += measure(args.op, t.name, arch, dt, sched, config or None)
+                    except BackendUnavailable as exc:
+                        problems.append(f"{t.name}: {exc}")
+                        rc = max(rc, 2)
+                        break
+                    except PortakernError as exc:
+                        problems.append(f"{t.name} {arch} {dt} {sched}: {exc}")
+                        rc = 1
+                else:
+                    continue
+                break
+    if args.json:
+        print(json.dumps({"op": args.op, "kernels": [r.as_dict() for r in reports],
+                          "problems": problems}, indent=1))
+    else:
+        if reports:
+            r0 = reports[0]
+            print(f"{args.op}: problem {r0.problem}, schedule(s) {', '.join(schedules)}")
+            print(format_table(reports))
+        for p in dict.fromkeys(problems):
+            print(f"unavailable: {p}" if rc == 2 else f"FAIL: {p}")
+        print("theoretical occupancy from registers, shared memory/LDS and group size "
+              "(portakern/resources.py); a static figure, not a measured speed")
+    return rc
+
+
+def _arch_belongs(target: Any, arch: str) -> bool:
+    try:
+        target.normalize_arch(arch)
+        return True
+    except PortakernError:
+        return False
+
+
+def floor_violations(reports: Iterable[KernelReport]) -> list[str]:
+    """Why each report misses the floor (spills, stack/private bytes, occupancy)."""
+    out = []
+    for r in reports:
+        why = []
+        if r.spill_bytes or r.spill_loads:
+            why.append(f"spills {r.spill_bytes} B stored / {r.spill_loads} B loaded")
+        if r.stack_bytes:
+            why.append(f"{r.stack_bytes} B of stack/private memory")
+        floor = occupancy_floor(get_op(r.op), r.dtype)
+        if r.occupancy is not None and r.occupancy + 1e-9 < floor:
+            why.append(f"occupancy {r.occupancy:.1%} < floor {floor:.1%} "
+                       f"(limited by {r.limiter}, {r.registers} registers)")
+        if why:
+            out.append(f"{r.op} {r.dtype} {r.kernel} on {r.arch}: " + "; ".join(why))
+    return out
+
+
+def add_resources_parser(sub: Any) -> None:
+    s = sub.add_parser("resources", help="registers, spills, stack, shared memory and "
+                       "theoretical occupancy of an op's GPU kernels (no GPU needed)")
+    s.add_argument("op")
+    s.add_argument("--backend", action="append", default=None,
+                   help="cuda (NVRTC + ptxas) and/or hip (hipcc); default both")
+    s.add_argument("--arch", action="append", default=None,
+                   help="sm_80, sm_90, gfx90a, gfx1030, ... (default sm_80, sm_90, gfx90a, "
+                        "gfx1030)")
+    s.add_argument("--dtype", action="append", default=None,
+                   help="float32 (default), float16, bfloat16, float64 or all")
+    s.add_argument("--schedule", action="append", default=None,
+                   help="schedule(s) to report (default gpu)")
+    s.add_argument("--config", action="append", default=None,
+                   help="tunable overrides, e.g. BK=16,BQ=128")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(fn=main)
