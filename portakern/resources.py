@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -349,3 +350,80 @@ def add_resources_parser(sub: Any) -> None:
                    help="tunable overrides, e.g. BK=16,BQ=128")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=main)
+
+
+# --- static tuning: rank candidate schedules without the GPU ---------------------------------
+STATIC_NAMESPACE = "tuning-static"
+
+
+def static_candidates(spec: KernelSpec, base: Mapping[str, int], limit: int
+                      ) -> list[dict[str, int]]:
+    """The GPU schedule, then every one-tunable change of it (its domain, nearest first)."""
+    out = [dict(base)]
+    for t in spec.tunables:
+        dom = sorted(t.domain, key=lambda v: (abs(math.log2(max(v, 1) + 1)
+                                                  - math.log2(max(base[t.name], 1) + 1)), v))
+        for v in dom:
+            if v != base[t.name]:
+                out.append({**base, t.name: v})
+    return out[:limit]
+
+
+def static_tune(op: str, backend: str, dtype: str = "float32", max_candidates: int = 24,
+                save: bool = True, say: Any = print) -> dict[str, Any]:
+    """``portakern tune OP --backend cuda|hip --static``: compile candidate schedules for the
+    target's resource architectures, reject any that spills or uses stack/private memory,
+    rank the rest by their worst occupancy (then fewer registers), and record the winner as a
+    *static* choice (not used by ops: it waits for a GPU to confirm it by measurement)."""
+    from .backends import compile_only
+    from .cache import Store
+    from .errors import CompileError
+
+    target = compile_only.get(backend)
+    spec = get_op(op)
+    dtype = dtypes.info(dtype).name
+    gpu = spec.config("gpu")
+    rows = []
+    for cand in static_candidates(spec, gpu, max_candidates):
+        try:
+            reps = [r for a in target.resource_archs
+                    for r in measure(op, target.name, a, dtype, "gpu", cand)]
+        except CompileError as exc:
+            say(f"  {_cfg(cand)}: does not compile ({str(exc).splitlines()[0][:80]})")
+            continue
+        except PortakernError as exc:  # outside the domain, invalid for the problem
+            say(f"  {_cfg(cand)}: rejected ({str(exc).splitlines()[0][:80]})")
+            continue
+        spill = any(not r.clean for r in reps)
+        occ = min((r.occupancy or 0.0) for r in reps)
+        regs = max(r.registers for r in reps)
+        rows.append((cand, spill, occ, regs, reps))
+        say(f"  {_cfg(cand)}: {'SPILLS, rejected' if spill else 'no spills'}, worst "
+            f"occupancy {occ:.1%}, {regs} registers")
+    ok = sorted((r for r in rows if not r[1]), key=lambda r: (-r[2], r[3], r[0] != gpu))
+    if not ok:
+        say(f"static tuning of {op} on {target.name}: every candidate spills or fails")
+        return {"op": op, "best": None}
+    best, _, occ, regs, reps = ok[0]
+    entry = {"op": op, "backend": target.name, "dtype": dtype,
+             "archs": [target.arch_label(a) for a in target.resource_archs],
+             "config": best, "static": True, "confirmed": False,
+             "basis": "static figures only (no spills, worst occupancy, registers); confirm "
+                      "with `portakern tune` on the GPU",
+             "occupancy": round(occ, 4), "registers": regs,
+             "candidates": len(rows), "rejected_spilling": sum(1 for r in rows if r[1]),
+             "kernels": [r.as_dict() for r in reps]}
+    say(f"static choice for {op} {dtype} on {target.name} "
+        f"({', '.join(entry['archs'])}): {_cfg(best)} — worst occupancy {occ:.1%}, {regs} "
+        f"registers; {entry['rejected_spilling']} of {len(rows)} candidates rejected for "
+        "spilling. STATIC: not used until a GPU run confirms it.")
+    if save:
+        st = Store(STATIC_NAMESPACE)
+        key = f"{op}-{target.name}-{dtype}"
+        if st.put(key, entry):
+            say(f"recorded as a static choice in {st.path} ({key})")
+    return {"op": op, "best": best, "entry": entry}
+
+
+def _cfg(cfg: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in cfg.items())

@@ -856,6 +856,8 @@ def _cmd(args: argparse.Namespace) -> int:
                 print(f"  ... and {len(left) - 50} more")
         invalidate()
         return 0
+    if getattr(args, "static", False):  # no GPU: rank by static figures (resources.py)
+        return _static(args)
     if not args.op:
         print("portakern tune: name an op (e.g. `portakern tune matmul --backend opencl`), or "
               "use --list / --clear", file=sys.stderr)
@@ -870,6 +872,21 @@ def _cmd(args: argparse.Namespace) -> int:
     if res.best is None:
         return 1
     return 0 if (res.stored or args.no_save) else 1
+
+
+def _static(args: argparse.Namespace) -> int:
+    from .resources import static_tune
+
+    if not args.op or not args.backend:
+        print("portakern tune --static: name an op and --backend cuda or hip", file=sys.stderr)
+        return 2
+    try:
+        res = static_tune(args.op, args.backend, args.dtype,
+                          max_candidates=min(args.max_candidates, 24), save=not args.no_save)
+    except PortakernError as exc:
+        print(f"portakern tune --static: {exc}", file=sys.stderr)
+        return 2
+    return 0 if res["best"] is not None else 1
 
 
 def add_tune_parser(sub: Any) -> None:
@@ -892,6 +909,10 @@ def add_tune_parser(sub: Any) -> None:
     s.add_argument("--checks", type=int, default=2,
                    help="random oracle cases each candidate must pass (default 2)")
     s.add_argument("--no-save", action="store_true", help="search and report, store nothing")
+    s.add_argument("--static", action="store_true",
+                   help="no GPU: rank candidate GPU schedules by compiler figures (spills "
+                        "rejected, occupancy) for --backend cuda|hip; recorded as static "
+                        "choices to confirm on a GPU (portakern resources)")
     s.add_argument("--list", action="store_true", help="list the tuning database and exit")
     s.add_argument("--clear", action="store_true",
                    help="delete tuned entries (of --backend's device, else all) and exit")

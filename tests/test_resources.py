@@ -135,3 +135,22 @@ def test_missing_ptxas_says_how_to_install(monkeypatch, capsys) -> None:  # noqa
     rc = cli.main(["resources", "softmax", "--backend", "cuda"])
     out = capsys.readouterr().out
     assert rc == 2 and "ptxas is not installed" in out and "nvidia-cuda" in out
+
+
+def test_static_tune_ranks_without_a_gpu_and_records_a_static_choice(tmp_path, monkeypatch
+                                                                     ) -> None:  # noqa: ANN001
+    need("ptxas")
+    monkeypatch.setenv("PORTAKERN_CACHE_DIR", str(tmp_path))
+    from portakern import cli
+
+    lines: list[str] = []
+    res = resources.static_tune("attention", "cuda", "float32", max_candidates=3,
+                                say=lines.append)
+    entry = res["entry"]
+    assert entry["static"] is True and entry["confirmed"] is False
+    assert entry["occupancy"] >= 0.25 and entry["archs"] == ["sm_80", "sm_90"]
+    assert any("STATIC" in ln for ln in lines)
+    files = list((tmp_path / resources.STATIC_NAMESPACE).glob("*.json"))
+    assert files, "no static choice recorded"
+    assert cli.main(["tune", "softmax", "--backend", "cuda", "--static", "--no-save",
+                     "--max-candidates", "2"]) == 0
