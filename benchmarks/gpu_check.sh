@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# portakern on a fresh NVIDIA GPU machine: set up, then compile-only check, the whole test suite
-# on cuda, the conformance check and the quick benchmark, all with CUPY_TF32=0. Everything
+# portakern on a fresh NVIDIA GPU machine: set up, then compile-only check, the static resource
+# report for this GPU's architecture (`portakern resources`: the predicted side), the whole
+# test suite on cuda, the conformance check and the quick benchmark (the measured side), all
+# with CUPY_TF32=0. Everything
 # (logs, results.json with GPU model, driver, CUDA and CuPy versions) lands in one folder:
 # $OUT if set, else ./gpu_out. 8 minutes in all: each step has its own `timeout` and is cut to
 # what is left of the budget, so a hung step cannot eat the rest.
@@ -140,6 +142,16 @@ EOF
     run_step info 30 "${PK[@]}" info
     run_step compile_only 90 "${PK[@]}" check --backend cuda --compile-only \
         --out "$OUT/compile_only.json"
+    # static figures (ptxas on NVRTC's PTX) for this GPU's architecture, beside the measured
+    # numbers below: registers, spills, stack, shared memory, theoretical occupancy per kernel
+    CC="$(head -n 1 "$OUT/gpu.csv" 2>/dev/null | awk -F', *' '{print $4}' | tr -d '.')"
+    export RES_ARCH="sm_${CC:-90}"
+    run_step resources 60 bash -c 'for op in matmul softmax rmsnorm attention; do
+            a=(resources "$op" --backend cuda --arch "$RES_ARCH" --dtype all)
+            "$@" "${a[@]}" --json > "$OUT_DIR/resources_$op.json"
+            rc=$?; [ $rc -eq 0 ] || echo "resources $op: rc=$rc"
+            "$@" "${a[@]}"
+        done' _ "${PK[@]}"
     run_step pytest 200 "$PY" -m pytest -q -rs -p no:cacheprovider \
         --junitxml="$OUT/pytest.xml" tests
     run_step check 90 "${PK[@]}" check --backend cuda --out "$OUT/check.json"
@@ -176,8 +188,14 @@ for line in (read("steps.tsv") or "").splitlines():
 gpu = [dict(zip(["name", "driver", "memory", "compute_cap"], [x.strip() for x in ln.split(",")]))
        for ln in (read("gpu.csv") or "").splitlines() if ln.strip()]
 versions = json.loads(read("versions.json") or "{}")
+static = {}  # predicted (static) per-kernel figures, beside the measured bench/check results
+for op in ("matmul", "softmax", "rmsnorm", "attention"):
+    try:
+        static[op] = json.loads(read(f"resources_{op}.json") or "null")
+    except ValueError:
+        static[op] = None
 ok = all(s["rc"] in (0, "skipped") for s in steps) and any(s["step"] == "pytest" for s in steps)
-res = {"ok": ok, "gpu": gpu, "versions": versions, "steps": steps,
+res = {"ok": ok, "gpu": gpu, "versions": versions, "steps": steps, "static_resources": static,
        "env": {k: os.environ.get(k) for k in ("CUPY_TF32", "PORTAKERN_TEST_BACKENDS",
                                                "PORTAKERN_HYPOTHESIS_PROFILE")},
        "seconds": int(time.time()) - int(os.environ["START_S"]),
