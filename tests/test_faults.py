@@ -527,7 +527,7 @@ def test_ctrl_c_during_garbage_collection_is_not_lost(tmp_path: Path,
     def fake_case(be: Any, case: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         done.append(case.id)
         return {"id": case.id, "op": case.op, "ours": {"status": "ok", "median_s": 1e-3},
-                "peers": {}}
+                "peers": {}, "cost": {"flops": None, "bytes": None}}
 
     def ctrl_c_in_gc(phase: str, info: dict[str, Any]) -> None:
         if phase == "start" and len(done) == 1 and not fired:
