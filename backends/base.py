@@ -239,8 +239,8 @@ class Backend:
 
     def after_fork_in_child(self) -> None:
         """Called in a child made by fork() for every backend instance the parent had: locks
-        another thread may have held at the fork are made anew. A backend whose device runtime
-        cannot survive fork refuses its operations here (opencl, jax on accelerators)."""
+        another thread may have held at the fork are made anew. (OpenCL, whose drivers cannot
+        survive fork, refuses its operations in its own at-fork hook: backends/opencl.py.)"""
         self._lock = threading.RLock()
         self.transfers._lock = threading.Lock()
 
