@@ -159,9 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
     from .trace import add_trace_parser
 
     add_trace_parser(sub)
-    from .trace import add_trace_parser
-
-    add_trace_parser(sub)
     return p
 
 
