@@ -397,7 +397,7 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                 if (mn != m[t]) { /* the max seldom moves after the first keys: no rescale */
                     const PK_ACC_T corr = exp(m[t] - mn);
                     l[t] *= corr;
-                    #pragma unroll
+                    /* unrolled by the compiler (constant trip count, constant indices) */
                     for (int d = 0; d < DV; ++d) acc[t][d] *= corr;
                 }
                 #pragma unroll
