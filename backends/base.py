@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from portakern import codegen, dtypes, tune
+from portakern import codegen, dtypes, tuned
 from portakern.errors import DTypeError, InvalidArgumentError, ShapeError, UnsupportedDTypeError
 from portakern.host import check_host_memory, host_copy_bytes, host_operands, nbytes_of
 from portakern.spec import Buf, KernelSpec, Launch, Problem, Scalar
@@ -523,7 +523,7 @@ class KernelBackend(Backend):
             hit = self._sites.get(site_key(spec, args))
         except (AttributeError, TypeError):  # no shape/dtype, or unhashable: the general path
             return NOT_PLANNED
-        if hit is None or hit[2] != tune._GENERATION:
+        if hit is None or hit[2] != tuned.GENERATION:
             return NOT_PLANNED
         prob, plan = hit[0], hit[1]
         is_native = self.is_native
@@ -565,7 +565,7 @@ class KernelBackend(Backend):
             self.config_for(spec, prob, config)
         else:
             hot = self._hot.get(id(prob))
-            if hot is not None and hot[0] is prob and hot[2] == tune._GENERATION:
+            if hot is not None and hot[0] is prob and hot[2] == tuned.GENERATION:
                 res = self._run_planned(spec, prob, hot[1], arrays, out)
                 if res is not NOT_PLANNED:
                     return res
@@ -631,7 +631,7 @@ class KernelBackend(Backend):
                    overrides: Mapping[str, int] | None) -> dict[str, int]:
         if overrides:
             return spec.config(self.device_class, overrides, prob)
-        key = (spec.name, spec.token, tune.cache_token(prob))  # tuned entries are per bucket
+        key = (spec.name, spec.token, tuned.cache_token(prob))  # tuned entries are per bucket
         cfg = self._configs.get(key)
         if cfg is None:
             cfg = self.tuned_config(spec, prob) or spec.config(self.device_class, None, prob)
@@ -641,9 +641,9 @@ class KernelBackend(Backend):
         return cfg
 
     def tuned_config(self, spec: KernelSpec, prob: Problem) -> dict[str, int] | None:
-        """The autotuner's validated entry for this device and problem bucket (portakern.tune);
+        """The autotuner's validated entry for this device and problem bucket (portakern.tuned);
         None = use the spec's default schedule."""
-        return tune.lookup(self, spec, prob)
+        return tuned.lookup(self, spec, prob)
 
     def kernels_for(self, spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]
                     ) -> dict[str, Any]:
@@ -701,7 +701,7 @@ class KernelBackend(Backend):
         key = None
         if pkey is not None:
             ckey = tuple(sorted(config.items())) if config else None
-            key = (spec.token, pkey, ckey, tune._GENERATION)
+            key = (spec.token, pkey, ckey, tuned.GENERATION)
             got = self._plans.get(key)
             if got is not None:
                 return got
@@ -728,7 +728,7 @@ class KernelBackend(Backend):
                 self._sites.clear()
             self._plans[key] = plan
             if not config and not prob.empty_result:  # keeps prob alive, so its id is unique
-                self._hot[id(prob)] = (prob, plan, tune._GENERATION)
+                self._hot[id(prob)] = (prob, plan, tuned.GENERATION)
         return plan
 
 

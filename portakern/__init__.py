@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import backends  # the registry; calling it lists every backend
+from ._version import __version__ as __version__
 from .api import attention, call, matmul, rmsnorm, softmax
 from .backends import refresh as refresh_backends
 from .cases import register_cases
@@ -25,8 +26,6 @@ from .ops import register_op, unregister_op
 from .selection import explain, use
 from .spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
 from .verify import Verdict, verify
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ArrayMeta", "BackendUnavailable", "Buf", "CompileError", "Cost", "DTypeError",

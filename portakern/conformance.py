@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__, dtypes, selection
 from . import backends as registry
+from . import dtypes, selection
+from ._version import __version__
 from .cases import Chooser, NumpyChooser, case_generator
 from .errors import PortakernError
 from .ops import OPS, plugin_errors
