@@ -31,6 +31,9 @@ _EXTRA: dict[str, str | type[Backend]] = {}
 # distribution: ~1 ms, which automatic selection used to pay on every call) and again only
 # on request: refresh() (``pk.refresh_backends()``), e.g. after installing a plugin.
 _ENTRY_POINTS: dict[str, object] | None = None
+# Bumped whenever the table may have changed (refresh, register_backend): what selection
+# memoises from it (the owner of an array type, the automatic choice) is keyed on it.
+VERSION = 0
 
 
 def _entry_points() -> dict[str, object]:
@@ -66,9 +69,10 @@ def refresh() -> None:
 
     Public as ``portakern.refresh_backends()``. Backend instances already created stay as they
     are; selectors resolved from now on see the new table."""
-    global _ENTRY_POINTS
+    global _ENTRY_POINTS, VERSION
     with _LOCK:
         _ENTRY_POINTS = None
+        VERSION += 1
         for name in [n for n in _CLASSES if n not in IN_TREE and n not in _EXTRA]:
             got = _CLASSES.pop(name)
             if isinstance(got, type):
@@ -77,9 +81,11 @@ def refresh() -> None:
 
 def register_backend(name: str, target: str | type[Backend]) -> None:
     """Register a backend class (or 'module:Class') under a name, e.g. from a plugin."""
+    global VERSION
     with _LOCK:
         _EXTRA[name] = target
         _CLASSES.pop(name, None)
+        VERSION += 1
 
 
 def _reset_lock_after_fork() -> None:  # another thread may have held it at the fork

@@ -168,17 +168,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_backends_after_fork_in_child)
 
 
-NOT_PLANNED = object()  # call_site / _run_planned: "not a planned call; take the general path"
+# Called (no arguments) when a C-kernel backend's compiled-code cache evicts a program: the
+# runtime's plan cache (portakern.plan) registers its clear here, so no plan keeps an evicted
+# program alive and the KERNEL_CACHE_SIZE bound holds.
+KERNEL_EVICTION_LISTENERS: list[Any] = []
 
 
-def site_key(spec: KernelSpec, args: Sequence[Any]) -> tuple:
-    """What a positional call's validation depended on: the spec and each operand's type,
-    shape and dtype (the parameters are the spec's defaults). Raises AttributeError for
-    operands that have no shape/dtype (an unhashable one raises TypeError at the lookup)."""
-    key: tuple = (spec.token,)
-    for a in args:
-        key += (a.__class__, a.shape, a.dtype)
-    return key
+def _kernels_evicted() -> None:
+    for fn in list(KERNEL_EVICTION_LISTENERS):
+        fn()
 
 
 class Backend:
@@ -302,18 +300,19 @@ class Backend:
 
     supports_out: ClassVar[bool] = False  # may results be written into a caller's array?
 
-    def call_site(self, spec: KernelSpec, args: Sequence[Any], out: Any) -> Any:
-        """The whole of a repeated positional ``pk.call`` (operands only, default parameters,
-        no config) when this backend has a fast path for it; NOT_PLANNED otherwise, and the
-        caller validates and calls ``run``. Default: no fast path."""
-        return NOT_PLANNED
+    def check_config(self, spec: KernelSpec, prob: Problem, config: Mapping[str, int]) -> None:
+        """Refuse bad tunable overrides when a plan is made (before anything is uploaded).
+        Default: checked where they are used (``execute``)."""
 
-    def remember_site(self, spec: KernelSpec, args: Sequence[Any], prob: Problem) -> None:
-        """Called after a positional call took the general path (see ``call_site``)."""
+    def compile_plan(self, plan: Any) -> Any:
+        """Fill in ``plan.launches`` if this backend launches kernels (C-kernel backends: the
+        compiled kernels, geometry and packed arguments); return them. Default: None."""
+        return None
 
-    def run(self, spec: KernelSpec, prob: Problem, arrays: Mapping[str, Any],
-            config: Mapping[str, int] | None = None, out: Any = None) -> Any:
-        """Execute a validated problem. numpy in -> numpy out; native in -> native out.
+    def run(self, plan: Any, arrays: Mapping[str, Any], out: Any = None) -> Any:
+        """Execute a call planned by portakern.plan (``plan``: a Plan, whose problem was
+        validated and dtype-checked for this backend). numpy in -> numpy out; native in ->
+        native out.
 
         ``out``: a native, contiguous array of the result's shape and dtype to write into
         (C-kernel backends), which saves the allocation on a hot path.
@@ -321,7 +320,7 @@ class Backend:
         Every non-native operand is checked against the shape/dtype validation saw
         (portakern.host), all of them before anything is uploaded: one place for every
         backend, so none can forget it."""
-        self.check_dtype(spec, prob)
+        spec, prob = plan.spec, plan.problem
         is_native = self.is_native
         present: dict[str, Any] = {}
         native_out, all_native = False, True
@@ -347,10 +346,13 @@ class Backend:
             return out
         as_input = self.as_input
         ins = {k: as_input(k, v) for k, v in present.items()}
-        if out is not None:
-            return self.execute(spec, prob, ins, config, out=out)  # type: ignore[call-arg]
-        res = self.execute(spec, prob, ins, config)
+        res = self.execute_plan(plan, ins, out)
         return res if native_out else self.to_numpy(res)
+
+    def execute_plan(self, plan: Any, ins: dict[str, Any], out: Any) -> Any:
+        """Run a plan on native operands ``ins``. Default (array backends, which take no
+        ``out=``): evaluate the spec's semantics through ``execute``."""
+        return self.execute(plan.spec, plan.problem, ins, plan.config)
 
     # --- memory judged before it is spent ---------------------------------------------------
     def device_buffers(self, spec: KernelSpec, prob: Problem, present: Mapping[str, Any],
@@ -474,127 +476,83 @@ class Backend:
 class LaunchPlan(list):
     """[(compiled kernel, Launch, argument template)] in launch order, plus the workspace
     buffers {name: (elements, dtype)} each call allocates (KernelSpec.workspace) and, per
-    launch, where its template names a buffer ((position, name), ...): a call copies the
-    template and fills those in, instead of testing every argument."""
+    launch, a ``steps`` entry (launcher, template, buffer slots): the backend's bound enqueue
+    of that kernel (``KernelBackend.launcher``), and where its template names a buffer
+    ((position, name), ...): a call copies the template and fills those in, instead of
+    testing every argument."""
 
     workspace: dict[str, tuple[int, str]]
-    buffer_slots: list[tuple[tuple[int, str], ...]]
+    steps: list[tuple[Any, list[Any], tuple[tuple[int, str], ...]]]
 
     def __init__(self) -> None:
         super().__init__()
         self.workspace = {}
-        self.buffer_slots = []
+        self.steps = []
 
-    def add(self, kernel: Any, launch: Launch, template: list[Any]) -> None:
+    def add(self, kernel: Any, launch: Launch, template: list[Any], launcher: Any) -> None:
         self.append((kernel, launch, template))
-        self.buffer_slots.append(tuple((i, a) for i, a in enumerate(template)
-                                       if a.__class__ is str))
+        self.steps.append((launcher, template, tuple((i, a) for i, a in enumerate(template)
+                                                     if a.__class__ is str)))
 
 
 class KernelBackend(Backend):
     """A backend that compiles the spec's C kernel in its dialect and launches it."""
 
     supports_out = True
+    # the usual native array class, tested by identity before ``is_native`` on the hot path
+    native_type: ClassVar[type | None] = None
 
     def __init__(self, selector: str | None = None) -> None:
         super().__init__(selector)
         # compiled programs, LRU-bounded (KERNEL_CACHE_SIZE): attention's head dims are
         # #defines, so every new D would otherwise keep one more program for good. An
-        # eviction drops the plans too (they hold the evicted program's kernels).
-        self._kernels: LRUCache = LRUCache(KERNEL_CACHE_SIZE, self._drop_plans)
+        # eviction drops the runtime's plans too (they hold the evicted program's kernels).
+        self._kernels: LRUCache = LRUCache(KERNEL_CACHE_SIZE, _kernels_evicted)
+        # tuned-config lookups, per (spec, tuning generation, problem bucket)
         self._configs: dict[tuple, dict[str, int]] = {}
-        self._plans: dict[tuple, LaunchPlan] = {}
-        # id(problem) -> (problem, plan, tuning generation): the repeated-call fast path
-        self._hot: dict[int, tuple[Problem, LaunchPlan, int]] = {}
-        # site_key -> the same triple: a repeated positional pk.call (call_site)
-        self._sites: dict[tuple, tuple[Problem, LaunchPlan, int]] = {}
 
-    def _drop_plans(self) -> None:
-        self._plans.clear()
-        self._hot.clear()
-        self._sites.clear()
+    def run(self, plan: Any, arrays: Mapping[str, Any], out: Any = None) -> Any:
+        """The dispatch hot path (DESIGN.md: at most 5 µs over a raw enqueue) when every
+        operand is a native array and the plan launches kernels: what ``Backend.run`` checks
+        once per plan is skipped (the dtype was checked when the plan was made; a native
+        operand needs no host check); what can differ per call is still checked: each
+        operand's device/context, layout and buffer size (``prepare_native``), and ``out``
+        (shape, dtype, writable, aliasing). Anything else takes ``Backend.run``."""
+        launches = plan.launches
+        if launches is not None:
+            native = self.native_type
+            bufs: dict[str, Any] = {}
+            for k, v in arrays.items():
+                if v is not None:
+                    if v.__class__ is not native and not self.is_native(v):
+                        break
+                    bufs[k] = v
+            else:
+                if bufs:
+                    if out is not None:
+                        self.check_out(plan.spec, plan.problem, out)
+                        self.check_no_alias(plan.spec, out, bufs.items())
+                    prepare = self.prepare_native
+                    for k, v in bufs.items():
+                        prepare(k, v)
+                    return self._launch(launches, bufs, out, plan.problem)
+        return super().run(plan, arrays, out)
 
-    def call_site(self, spec: KernelSpec, args: Sequence[Any], out: Any) -> Any:
-        """A repeated positional call in one dict lookup (the issue's dispatch bound): its
-        metadata were validated and its launch planned when ``remember_site`` stored it, for
-        this tuning generation. What can differ per call is still checked, as in
-        ``_run_planned``: every operand native, on this context and contiguous, and ``out``."""
-        try:
-            hit = self._sites.get(site_key(spec, args))
-        except (AttributeError, TypeError):  # no shape/dtype, or unhashable: the general path
-            return NOT_PLANNED
-        if hit is None or hit[2] != tuned.GENERATION:
-            return NOT_PLANNED
-        prob, plan = hit[0], hit[1]
-        is_native = self.is_native
-        for a in args:
-            if not is_native(a):
-                return NOT_PLANNED
-        if out is not None:
-            self.check_out(spec, prob, out)
-            self.check_no_alias(spec, out, zip(spec._operand_names, args))
-        prepare = self.prepare_native
-        bufs = {}
-        for name, a in zip(spec._operand_names, args):
-            bufs[name] = prepare(name, a)
-        return self._launch(plan, bufs, out, prob)
+    def execute_plan(self, plan: Any, ins: dict[str, Any], out: Any) -> Any:
+        launches = plan.launches
+        if launches is None:
+            launches = self.compile_plan(plan)
+        return self._launch(launches, dict(ins), out, plan.problem)
 
-    def remember_site(self, spec: KernelSpec, args: Sequence[Any], prob: Problem) -> None:
-        """Store a positional call's plan for ``call_site`` once the general path planned it
-        (only all-native calls with a cacheable problem are planned "hot")."""
-        hot = self._hot.get(id(prob))
-        if hot is None or hot[0] is not prob:
-            return
-        is_native = self.is_native
-        for a in args:
-            if not is_native(a):
-                return
-        try:
-            key = site_key(spec, args)
-            if len(self._sites) > 4096:  # bounded, like the plan cache
-                self._sites.clear()
-            self._sites[key] = hot
-        except (AttributeError, TypeError):
-            return
+    def check_config(self, spec: KernelSpec, prob: Problem, config: Mapping[str, int]) -> None:
+        self.config_for(spec, prob, config)
 
-    def run(self, spec: KernelSpec, prob: Problem, arrays: Mapping[str, Any],
-            config: Mapping[str, int] | None = None, out: Any = None) -> Any:
-        """Backend.run, with tunable overrides checked against their domains first, before
-        anything is uploaded; a repeat of an already planned call takes ``_run_planned``."""
-        if config:
-            self.config_for(spec, prob, config)
-        else:
-            hot = self._hot.get(id(prob))
-            if hot is not None and hot[0] is prob and hot[2] == tuned.GENERATION:
-                res = self._run_planned(spec, prob, hot[1], arrays, out)
-                if res is not NOT_PLANNED:
-                    return res
-        return super().run(spec, prob, arrays, config, out=out)
-
-    def _run_planned(self, spec: KernelSpec, prob: Problem, plan: LaunchPlan,
-                     arrays: Mapping[str, Any], out: Any) -> Any:
-        """The dispatch hot path (issue: at most 10 µs over a raw enqueue): a problem this
-        backend has already planned, every operand a native array. What ``Backend.run``
-        memoises is skipped (the dtype check passed when the plan was made; a native operand
-        needs no host check); what can differ per call is still checked: each operand's
-        device/context and contiguity, and ``out``. Anything else returns NOT_PLANNED and
-        takes the general path."""
-        is_native = self.is_native
-        bufs: dict[str, Any] = {}
-        for k, v in arrays.items():
-            if v is not None:
-                if not is_native(v):
-                    return NOT_PLANNED
-                bufs[k] = v
-        if not bufs:
-            return NOT_PLANNED
-        if out is not None:
-            self.check_out(spec, prob, out)
-            self.check_no_alias(spec, out, bufs.items())
-        prepare = self.prepare_native
-        for k, v in bufs.items():
-            bufs[k] = prepare(k, v)
-        return self._launch(plan, bufs, out, prob)
+    def compile_plan(self, plan: Any) -> LaunchPlan | None:
+        """Compile a plan's kernels once, at its first run (after that call's checks)."""
+        launches = plan.launches
+        if launches is None and not plan.problem.empty_result:
+            launches = plan.launches = self.build_launches(plan.spec, plan.problem, plan.config)
+        return launches
 
     # subclass API
     def compile(self, source: str, entry_points: tuple[str, ...]) -> dict[str, Any]:
@@ -609,6 +567,16 @@ class KernelBackend(Backend):
 
     def buffer_arg(self, x: Any) -> Any:
         raise NotImplementedError
+
+    def launcher(self, kernel: Any, launch: Launch) -> Any:
+        """A callable ``f(args)`` that enqueues ``kernel`` with ``args``, made once per plan.
+        Default: ``enqueue`` itself; a backend may bind what it can ahead of the call."""
+        enqueue = self.enqueue
+
+        def launch_it(args: list[Any]) -> None:
+            enqueue(kernel, launch, args)
+
+        return launch_it
 
     def raw_launcher(self, kernel: Any, launch: Launch, args: list[Any]) -> Any:
         """A zero-argument callable that enqueues ``kernel`` with ``args`` through the device
@@ -669,42 +637,28 @@ class KernelBackend(Backend):
             return prob.info.compute.type(s.value)
         raise InvalidArgumentError(f"unknown scalar ctype {s.ctype!r}; expected 'int' or 'acc'.")
 
-    def execute(self, spec: KernelSpec, prob: Problem, ins: dict[str, Any],
-                config: Mapping[str, int] | None, out: Any = None) -> Any:
-        return self._launch(self.plan(spec, prob, config), dict(ins), out, prob)
-
     def _launch(self, plan: LaunchPlan, bufs: dict[str, Any], out: Any, prob: Problem) -> Any:
         """Enqueue a plan's kernels on ``bufs`` (operands by name, filled in with ``out`` and
         the workspace); return the output array."""
         if out is None:
             out = self.empty(prob.out_shape, prob.dtype)
         bufs["out"] = out
-        for name, (n, dt) in plan.workspace.items():  # per call: calls may run concurrently
-            bufs[name] = self.empty((n,), dt)
+        if plan.workspace:
+            for name, (n, dt) in plan.workspace.items():  # per call: calls may run at once
+                bufs[name] = self.empty((n,), dt)
         buffer_arg = self.buffer_arg
-        enqueue = self.enqueue
-        for (kernel, launch, template), slots in zip(plan, plan.buffer_slots):
+        for launcher, template, slots in plan.steps:
             args = template.copy()
             for i, name in slots:
                 args[i] = buffer_arg(bufs[name])
-            enqueue(kernel, launch, args)
+            launcher(args)
         return out
 
-    def plan(self, spec: KernelSpec, prob: Problem, config: Mapping[str, int] | None
-             ) -> LaunchPlan:
-        """Compiled kernels + launch geometry + packed scalar arguments for a problem.
-
-        Cached per (spec, problem metadata, config, tuning generation) when the API hands a
-        cacheable problem, so a repeated call skips rendering, lookups and argument packing:
-        the hot path is one dict lookup and the enqueue itself."""
-        pkey = getattr(prob, "cache_key", None)
-        key = None
-        if pkey is not None:
-            ckey = tuple(sorted(config.items())) if config else None
-            key = (spec.token, pkey, ckey, tuned.GENERATION)
-            got = self._plans.get(key)
-            if got is not None:
-                return got
+    def build_launches(self, spec: KernelSpec, prob: Problem,
+                       config: Mapping[str, int] | None) -> LaunchPlan:
+        """Compiled kernels + launch geometry + packed scalar arguments for a problem, once
+        per plan (portakern.plan caches the plan): a repeated call skips rendering, config
+        lookups and argument packing."""
         cfg = self.config_for(spec, prob, config)
         kernels = self.kernels_for(spec, prob, cfg)
         plan = LaunchPlan()
@@ -720,15 +674,7 @@ class KernelBackend(Backend):
             template = [a.name if isinstance(a, Buf) else self.scalar(a, prob) for a in launch.args]
             kernel = kernels[launch.kernel]
             self.declare_arguments(kernel, template)
-            plan.add(kernel, launch, template)
-        if key is not None:
-            if len(self._plans) > 4096:  # bounded: distinct shapes in a long-running process
-                self._plans.clear()
-                self._hot.clear()
-                self._sites.clear()
-            self._plans[key] = plan
-            if not config and not prob.empty_result:  # keeps prob alive, so its id is unique
-                self._hot[id(prob)] = (prob, plan, tuned.GENERATION)
+            plan.add(kernel, launch, template, self.launcher(kernel, launch))
         return plan
 
 

@@ -69,7 +69,7 @@ from portakern.errors import (
     InvalidArgumentError,
     UnknownBackendError,
 )
-from portakern.spec import KernelSpec, Launch, Problem
+from portakern.spec import Launch
 
 from .base import Availability, DeviceInfo, KernelBackend
 
@@ -367,13 +367,13 @@ class CudaBackend(KernelBackend):
     def synchronize(self) -> None:
         self._cp_device.synchronize()
 
-    def run(self, spec: KernelSpec, prob: Problem, arrays: Mapping[str, Any],
-            config: Mapping[str, int] | None = None, out: Any = None) -> Any:
+    def run(self, plan: Any, arrays: Mapping[str, Any], out: Any = None) -> Any:
         """Base run with this device current; a numpy bf16 result that an old CuPy had to
         store as uint16 is viewed back as bfloat16 (same bits, no conversion)."""
         with self._cp_device:
-            res = super().run(spec, prob, arrays, config, out=out)
-        if isinstance(res, np.ndarray) and prob.dtype == "bfloat16" and res.dtype == np.uint16:
+            res = super().run(plan, arrays, out)
+        if isinstance(res, np.ndarray) and plan.problem.dtype == "bfloat16" \
+                and res.dtype == np.uint16:
             res = res.view(dtypes.bfloat16)
         return res
 

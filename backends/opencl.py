@@ -122,6 +122,7 @@ def _all_devices() -> list[tuple[Any, Any]]:
 class OpenCLBackend(KernelBackend):
     name = "opencl"
     dialect = "opencl"
+    native_type = cla.Array if cla is not None else None
     array_modules = ("pyopencl",)
     install_hint = ("pip install 'portakern[opencl]' and an OpenCL driver: "
                     "apt-get install pocl-opencl-icd (CPU) or your GPU vendor's ICD")
@@ -254,8 +255,9 @@ class OpenCLBackend(KernelBackend):
     _limits: tuple[int, int] = (1 << 62, 1 << 62)  # (max_mem_alloc_size, global_mem_size)
 
     # what a forked child may no longer call (see _after_fork_in_child)
-    _DEVICE_METHODS = ("run", "call_site", "execute", "to_native", "to_numpy", "empty", "zeros",
-                       "synchronize", "prepare_native", "compile", "enqueue", "plan",
+    _DEVICE_METHODS = ("run", "execute_plan", "to_native", "to_numpy", "empty", "zeros",
+                       "synchronize", "prepare_native", "compile", "enqueue", "build_launches",
+                       "compile_plan",
                        "free_pooled_memory", "fill_zero", "kernels_for")
 
     def _disable_after_fork(self) -> None:
@@ -269,7 +271,7 @@ class OpenCLBackend(KernelBackend):
 
         for name in self._DEVICE_METHODS:
             setattr(self, name, refuse)
-        for cache in ("_plans", "_hot", "_sites", "_kernels", "_configs", "_empty_meta"):
+        for cache in ("_kernels", "_configs", "_empty_meta"):
             c = getattr(self, cache, None)
             if c is not None:
                 c.clear()
@@ -518,6 +520,29 @@ class OpenCLBackend(KernelBackend):
             enqueue(queue, kernel, gsize, local)
 
         return launch_raw
+
+    def launcher(self, kernel: Any, launch: Launch) -> Any:
+        """``enqueue`` with the queue, geometry and lock bound once per plan."""
+        if type(self).enqueue is not OpenCLBackend.enqueue:  # a subclass observes enqueues
+            return super().launcher(kernel, launch)
+        queue, gsize, local, lock = self.queue, launch.global_size, launch.local, self._lock
+        set_args = kernel.set_args
+
+        def launch_it(args: list[Any]) -> None:
+            with lock:  # clSetKernelArg on a shared kernel object is not thread-safe
+                set_args(*args)
+                try:
+                    cl.enqueue_nd_range_kernel(queue, kernel, gsize, local)
+                except cl.Error as exc:
+                    self._launch_failed(launch, args, exc)
+
+        return launch_it
+
+    def _launch_failed(self, launch: Launch, args: list[Any], exc: BaseException) -> None:
+        if not _is_allocation_failure(exc):
+            raise exc
+        nbytes = sum(int(a.size) for a in args if isinstance(a, cl.MemoryObjectHolder))
+        raise self._oom(f"the buffers of kernel {launch.kernel!r}", nbytes, exc) from None
 
     def enqueue(self, kernel: Any, launch: Launch, args: list[Any]) -> None:
         gsize = launch.global_size

@@ -13,7 +13,8 @@ import contextvars
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from . import backends as registry
 from .backends.base import Backend
@@ -119,12 +120,34 @@ def automatic() -> tuple[str, str]:
     return best[1], best[2]
 
 
-def owner_of(arrays: object) -> str | None:
-    """The backend whose native array type appears among the inputs, if any (by module)."""
+def owner_of(arrays: Iterable[Any] | None) -> str | None:
+    """The backend whose native array type appears among the inputs, if any (by module).
+
+    Memoised on the inputs' types and the registry's version: this is on every call that
+    names no backend (the quick start's path)."""
     if not arrays:
         return None
-    mods = {type(x).__module__.split(".")[0] for x in arrays if x is not None}  # type: ignore[union-attr]
+    types_key = tuple([x.__class__ for x in arrays])
+    if _OWNERS_VERSION[0] == registry.VERSION and types_key in _OWNERS:
+        return _OWNERS[types_key]
+    got = _owner_of_types(types_key)
+    if _OWNERS_VERSION[0] != registry.VERSION:
+        _OWNERS.clear()
+        _OWNERS_VERSION[0] = registry.VERSION
+    if len(_OWNERS) > 1024:  # bounded: a process sees few combinations of array types
+        _OWNERS.clear()
+    _OWNERS[types_key] = got
+    return got
+
+
+_OWNERS: dict[tuple[type, ...], str | None] = {}
+_OWNERS_VERSION = [-1]
+
+
+def _owner_of_types(types: tuple[type, ...]) -> str | None:
+    mods = {t.__module__.split(".")[0] for t in types if t is not type(None)}
     mods.discard("numpy")
+    mods.discard("builtins")
     if not mods:
         return None
     for name in registry.names():
@@ -134,10 +157,14 @@ def owner_of(arrays: object) -> str | None:
     return None
 
 
-def resolve(backend: str | Backend | None = None, arrays: object = None) -> Backend:
-    if isinstance(backend, Backend):
-        return backend
+_AUTO: dict[int, Backend] = {}  # registry version -> the automatic choice's instance
+
+
+def resolve(backend: str | Backend | None = None, arrays: Iterable[Any] | None = None
+            ) -> Backend:
     if backend is not None:
+        if isinstance(backend, Backend):
+            return backend
         return get(backend, "backend=")
     cur = _current.get()
     if cur is not None:
@@ -148,8 +175,13 @@ def resolve(backend: str | Backend | None = None, arrays: object = None) -> Back
     owner = owner_of(arrays)
     if owner is not None:
         return get(owner)
-    sel, _ = automatic()
-    return get(sel)
+    inst = _AUTO.get(registry.VERSION)
+    if inst is None:
+        sel, _ = automatic()
+        inst = get(sel)
+        _AUTO.clear()
+        _AUTO[registry.VERSION] = inst
+    return inst
 
 
 def explain(backend: str | None = None) -> str:

@@ -38,6 +38,7 @@ from test_errors import BAD_CALLS
 import portakern as pk
 from portakern import backends as registry
 from portakern import dtypes, selection
+from portakern import plan as pkplan
 from portakern.backends.base import Backend, KernelBackend
 from portakern.cases import Case, compare
 from portakern.ops import get_op
@@ -300,8 +301,9 @@ def test_bad_input_is_refused_before_any_device_work(target: str, name: str) -> 
 
 @pytest.mark.parametrize("bad_out", ["numpy array", "wrong shape", "wrong dtype"])
 def test_bad_out_is_refused_on_the_planned_fast_path(device_target: str, bad_out: str) -> None:
-    """Device-resident operands whose call has run before take KernelBackend._run_planned;
-    out= must still be checked on every call there."""
+    """Device-resident operands whose call has run before take the planned fast path
+    (portakern.plan: one cache lookup, then KernelBackend.run); out= must still be checked on
+    every call there."""
     be = selection.get(device_target)
     if not isinstance(be, KernelBackend):
         pytest.skip(f"{device_target} has no out= (not a C-kernel backend)")
@@ -321,14 +323,14 @@ def test_bad_out_is_refused_on_the_planned_fast_path(device_target: str, bad_out
 def _warm_positional_backend(kernel_target: str) -> KernelBackend:
     be = selection.get(kernel_target)
     if not isinstance(be, KernelBackend):
-        pytest.skip(f"{kernel_target} has no call-site fast path (not a C-kernel backend)")
+        pytest.skip(f"{kernel_target} has no planned launches (not a C-kernel backend)")
     return be
 
 
 def test_repeated_positional_calls_compute_on_each_calls_operands(kernel_target: str) -> None:
-    """A repeated positional pk.call is one lookup in Backend.call_site, keyed by the
-    operands' metadata: it must launch on this call's arrays (and a fresh output), never on
-    the arrays or output of the call that planned it."""
+    """A repeated positional pk.call is one lookup in the plan cache (portakern.plan.PLANS),
+    keyed by the operands' metadata: it must launch on this call's arrays (and a fresh
+    output), never on the arrays or output of the call that planned it."""
     be = _warm_positional_backend(kernel_target)
     rng = np.random.default_rng(11)
     hosts = [rng.standard_normal((4, 5)).astype(f32) for _ in range(3)]
@@ -342,13 +344,14 @@ def test_repeated_positional_calls_compute_on_each_calls_operands(kernel_target:
     for i, o in enumerate(outs):
         want = hosts[i % 3].astype(np.float64) @ bs[i % 3]
         np.testing.assert_allclose(be.to_numpy(o), want, rtol=1e-5, atol=1e-5)
-    assert be._sites, "the repeated positional call did not take the call-site fast path"
+    key = pkplan.plan_key(be, get_op("matmul"), devs[0], {}, None)
+    assert key in pkplan.PLANS, "the repeated positional call was not planned once"
 
 
 @pytest.mark.parametrize("kind", ["column slice", "offset view"])
 def test_views_are_refused_on_the_call_site_fast_path(kernel_target: str, kind: str) -> None:
     """After valid positional calls of the same shape, a positional call with a view a
-    kernel cannot index arrives on Backend.call_site: it must still be refused by name."""
+    kernel cannot index finds the plan of that shape: it must still be refused by name."""
     be = _warm_positional_backend(kernel_target)
     host = np.arange(64, dtype=f32).reshape(8, 8) / 9
     cut = (slice(None), slice(2, 6)) if kind == "column slice" else (slice(2, 6),)
@@ -367,17 +370,16 @@ def test_views_are_refused_on_the_call_site_fast_path(kernel_target: str, kind: 
 
 
 def test_call_site_fast_path_follows_a_new_tuning_generation(kernel_target: str) -> None:
-    """Tuning bumps the generation; a planned call site from before must not be reused."""
+    """Tuning bumps the generation; a plan from before must not be reused."""
     from portakern import tuned
 
     be = _warm_positional_backend(kernel_target)
     a, b = be.to_native(A), be.to_native(B)
     for _ in range(2):
         pk.call("matmul", a, b, backend=be)
-    sites = dict(be._sites)
-    assert sites
+    assert pkplan.plan_key(be, get_op("matmul"), (a, b), {}, None) in pkplan.PLANS
     planned: list[Any] = []
-    real_plan = be.plan
+    real_plan = be.build_launches
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         planned.append(args)
@@ -387,9 +389,9 @@ def test_call_site_fast_path_follows_a_new_tuning_generation(kernel_target: str)
     tuned.invalidate()  # what saving or clearing a tuning does: the public counter moves
     assert tuned.GENERATION == gen + 1
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(be, "plan", spy)
+        mp.setattr(be, "build_launches", spy)
         got = pk.call("matmul", a, b, backend=be)
-    assert planned, "a call site of an older tuning generation was reused"
+    assert planned, "a plan of an older tuning generation was reused"
     np.testing.assert_allclose(be.to_numpy(got), A.astype(np.float64) @ B, rtol=1e-5,
                                atol=1e-5)
 
@@ -557,7 +559,7 @@ def test_device_views_are_refused_by_name_or_computed_right(device_target: str,
     (pyopencl); a backend whose views are real arrays (jax) must compute the right answer.
 
     ``after-valid-calls``: the same call with contiguous arrays of the view's shape ran first,
-    so the view arrives on the planned fast path (KernelBackend._run_planned), which must
+    so the view arrives on the planned fast path (KernelBackend.run), which must
     check layout per call, not once per shape."""
     be = selection.get(device_target)
     where, view = DEVICE_VIEWS[kind]
@@ -613,26 +615,19 @@ def test_shape_of_strings_is_not_an_array() -> None:
 
 
 def test_validation_does_not_depend_on_earlier_calls() -> None:
-    from portakern import api
-
-    api._PROBLEMS.clear()  # the valid calls below populate the memo that the bad ones hit
-    try:
-        pk.attention(Q, Q, Q, causal=True, backend="numpy")
-        pk.softmax(X, axis=1, backend="numpy")
-        with pytest.raises(pk.InvalidArgumentError):
-            pk.attention(Q, Q, Q, causal=1, backend="numpy")
-        with pytest.raises(pk.InvalidArgumentError):
-            pk.softmax(X, axis=1.0, backend="numpy")  # type: ignore[arg-type]
-    finally:
-        api._PROBLEMS.clear()
+    pkplan.PLANS.clear()  # the valid calls below populate the cache that the bad ones hit
+    pk.attention(Q, Q, Q, causal=True, backend="numpy")
+    pk.softmax(X, axis=1, backend="numpy")
+    with pytest.raises(pk.InvalidArgumentError):
+        pk.attention(Q, Q, Q, causal=1, backend="numpy")
+    with pytest.raises(pk.InvalidArgumentError):
+        pk.softmax(X, axis=1.0, backend="numpy")  # type: ignore[arg-type]
 
 
 def test_positional_fast_path_leaves_the_specs_defaults_alone() -> None:
     """pk.call(op, *operands) binds by zip and hands the spec's own defaults to the memo;
     validation must get a copy it may write into (KernelSpec.problem copies), and a later
     call with other parameters must not get the defaults' cached problem."""
-    from portakern import api
-
     base = get_op("softmax")
     seen: list[Any] = []
 
@@ -644,16 +639,12 @@ def test_positional_fast_path_leaves_the_specs_defaults_alone() -> None:
     assert spec.all_positional((X,))  # the call below takes the fast path
     before = dict(spec.params)
     x = np.random.default_rng(5).standard_normal((3, 5)).astype(f32)
-    api._PROBLEMS.clear()
-    try:
-        plain = pk.call(spec, x, backend="numpy")
-        assert seen and all(p is not spec.params for p in seen)
-        assert dict(spec.params) == before
-        other = pk.call(spec, x, axis=0, backend="numpy")
-        assert not np.allclose(plain, other)
-        np.testing.assert_array_equal(pk.call(spec, x, backend="numpy"), plain)
-    finally:
-        api._PROBLEMS.clear()
+    plain = pk.call(spec, x, backend="numpy")
+    assert seen and all(p is not spec.params for p in seen)
+    assert dict(spec.params) == before
+    other = pk.call(spec, x, axis=0, backend="numpy")
+    assert not np.allclose(plain, other)
+    np.testing.assert_array_equal(pk.call(spec, x, backend="numpy"), plain)
 
 
 # --- the docs table stays complete ------------------------------------------------------

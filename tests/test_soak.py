@@ -52,7 +52,8 @@ import numpy as np
 import pytest
 
 import portakern as pk
-from portakern import api, dtypes, selection
+from portakern import dtypes, selection
+from portakern import plan as pkplan
 from portakern.backends.base import Backend, KernelBackend
 from portakern.cases import Case, compare
 from portakern.ops import get_op
@@ -164,7 +165,7 @@ def instrument(be: Backend, allocs: Allocations) -> None:
 
 def cache_sizes(be: Backend) -> dict[str, int]:
     out = {}
-    for name in ("_kernels", "_configs", "_plans", "_fns", "_modules"):
+    for name in ("_kernels", "_configs", "_fns", "_modules"):
         got = getattr(be, name, None)
         if isinstance(got, dict) or hasattr(got, "maxsize"):  # dicts and LRU caches
             out[name] = len(got)
@@ -305,8 +306,8 @@ def test_soak() -> None:
         report.append(f"jax.live_arrays(): {base_jax} after warm-up, {live_now} at the end")
         if live_now > base_jax + LIVE_SLACK:
             problems.append(f"jax live arrays grew {base_jax} -> {live_now}")
-    if len(api._PROBLEMS) > 4097:
-        problems.append(f"validation memo holds {len(api._PROBLEMS)} problems (cap 4096)")
+    if len(pkplan.PLANS) > pkplan.PLANS.maxsize:
+        problems.append(f"plan cache holds {len(pkplan.PLANS)} plans (cap {pkplan.PLANS.maxsize})")
     print("\n".join(report))
     assert not problems, "\n".join(problems + report)
     for t in targets:

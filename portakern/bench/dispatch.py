@@ -18,8 +18,8 @@ and for each three implementations:
 - ``call_out``: the same writing into a preallocated ``out=`` (through the named function if
   it takes ``out=``, else ``pk.call(op, ..., out=o)`` with the same keywords; ``what`` says
   which);
-- ``raw``: the very kernel objects of the launch plan the call uses (``be.plan(spec, prob)``
-  on the memoised problem), launched through the device API by the backend's
+- ``raw``: the very kernel objects of the plan the call uses (``portakern.plan.plan_for``:
+  the cached Plan of that call), launched through the device API by the backend's
   ``raw_launcher`` hook (OpenCL ``kernel.set_args(*args); enqueue_nd_range_kernel``, CUDA the
   cupy ``Function`` call), arguments and workspace built once outside the timed region, as a
   user of the raw API would.
@@ -188,8 +188,9 @@ def measure_entry(be: KernelBackend, entry: Entry, cfg: DispatchConfig, *,
                   clock: Clock = time.perf_counter) -> dict[str, Any]:
     """Time ``call``, ``call_out`` and ``raw`` of one entry point on ``be``."""
     from .. import dtypes, selection
-    from ..api import _problem, call
+    from ..api import call
     from ..ops import get_op
+    from ..plan import plan_for
 
     spec = get_op(entry.op)
     rng = np.random.default_rng(0)
@@ -198,11 +199,10 @@ def measure_entry(be: KernelBackend, entry: Entry, cfg: DispatchConfig, *,
     dev = {n: be.to_native(x) for n, x in host.items()}
     kwargs = dict(entry.kwargs)
     operands = [dev[n] for n, _ in entry.shapes]
-    arrays, params = spec.bind(operands, kwargs)
-    prob = _problem(spec, arrays, params)  # the memoised Problem the call itself uses
-    plan = be.plan(spec, prob, None)  # compiles (untimed) and is the plan the call launches
+    plan = plan_for(spec, operands, kwargs, backend=be)  # the very plan the call launches
+    prob = plan.problem
     out = be.empty(tuple(prob.out_shape), cfg.dtype)
-    raw = _raw_launcher(be, plan, {**dev, "out": out})
+    raw = _raw_launcher(be, plan.launches, {**dev, "out": out}) if plan.launches else None
     if raw is None:
         return not_applicable(be, f"{be.name} offers no raw_launcher (the device API's own "
                               "enqueue) to compare with")
