@@ -319,7 +319,12 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                     vt bmv = sv[t][0];
                     #pragma unroll
                     for (int c = 1; c < NSV; ++c) bmv = fmax(bmv, sv[t][c]);
-                    mn = fmax(at_lane_max(bmv), m[t0 + t]);
+                    /* the max seldom moves after the first tiles: one vector compare, and
+                     * the lane reduction (through memory on PoCL) only when a lane exceeds
+                     * it; same value as fmax(lane max, m) (NaN lanes compare false, as fmax
+                     * skips them; a NaN m takes the reduction) */
+                    const PK_ACC_T mo = m[t0 + t];
+                    mn = (any(bmv > (vt)(mo)) || mo != mo) ? fmax(at_lane_max(bmv), mo) : mo;
                 } else {
                     const PK_ACC_T bm = bmask[t];
                     if (bm == -PK_INFINITY) { /* nothing to attend: this row skips the tile */
