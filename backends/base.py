@@ -22,7 +22,7 @@ import numpy as np
 from portakern import codegen, dtypes, tuned
 from portakern.errors import DTypeError, InvalidArgumentError, ShapeError, UnsupportedDTypeError
 from portakern.host import check_host_memory, host_copy_bytes, host_operands, nbytes_of
-from portakern.spec import Buf, KernelSpec, Launch, Problem, Scalar
+from portakern.spec import Buf, KernelSpec, Launch, Problem, Scalar, storage_dtype
 
 
 @dataclass
@@ -339,15 +339,23 @@ class Backend:
         if not all_native:
             present = dict(self.checked_host_operands(present))
         if prob.empty_result:
-            res = self.zeros(prob.out_shape, prob.dtype)
-            if out is None:
-                return res if native_out else self.to_numpy(res)
-            self.fill_zero(out)
-            return out
-        as_input = self.as_input
-        ins = {k: as_input(k, v) for k, v in present.items()}
-        res = self.execute_plan(plan, ins, out)
-        return res if native_out else self.to_numpy(res)
+            if out is not None:
+                for o in (out if out.__class__ is tuple else (out,)):
+                    self.fill_zero(o)
+                return out
+            if prob.outputs is None:
+                res = self.zeros(prob.out_shape, prob.dtype)
+            else:
+                res = tuple(self.zeros(s, d) for s, d in prob.outputs.values())
+        else:
+            as_input = self.as_input
+            ins = {k: as_input(k, v) for k, v in present.items()}
+            res = self.execute_plan(plan, ins, out)
+        if native_out:
+            return res
+        if res.__class__ is tuple:  # several outputs: numpy in -> a tuple of numpy out
+            return tuple(self.to_numpy(r) for r in res)
+        return self.to_numpy(res)
 
     def execute_plan(self, plan: Any, ins: dict[str, Any], out: Any) -> Any:
         """Run a plan on native operands ``ins``. Default (array backends, which take no
@@ -363,11 +371,11 @@ class Backend:
         parts = [(f"device copy of {k!r}", nbytes_of(v)) for k, v in present.items()
                  if not is_native(v)]
         if out is None:
-            n = 1
-            for d in prob.out_shape:
-                n *= int(d)
-            parts.append((f"output {tuple(prob.out_shape)} {prob.dtype}",
-                          n * prob.info.storage.itemsize))
+            for shape, dt in prob.output_specs.values():
+                n = 1
+                for d in shape:
+                    n *= int(d)
+                parts.append((f"output {tuple(shape)} {dt}", n * storage_dtype(dt).itemsize))
         return parts
 
     def check_device_buffers(self, spec: KernelSpec, parts: list[tuple[str, int]]) -> None:
@@ -400,6 +408,9 @@ class Backend:
             raise InvalidArgumentError(f"{spec.name}: out= is not supported on {self.describe()}"
                                        " (its arrays are immutable or it has no C kernels); "
                                        "drop out= and use the returned array.")
+        if prob.outputs is not None:
+            self.check_outs(spec, prob, out)
+            return
         if not self.is_native(out):
             raise InvalidArgumentError(f"{spec.name}: out= must be a {self.name} device array; "
                                        f"got {type(out).__name__}. Create it on this backend.")
@@ -412,6 +423,33 @@ class Backend:
                              f"expected {prob.dtype}.")
         self.prepare_native("out", out)
         self.check_writable(spec, out)
+
+    def check_outs(self, spec: KernelSpec, prob: Problem, out: Any) -> None:
+        """``out=`` of a several-output op: a tuple with one native array per output, in the
+        order of ``prob.outputs``, each of its shape and dtype, writable, no two overlapping."""
+        names = tuple(prob.outputs or ())
+        if out.__class__ is not tuple or len(out) != len(names):
+            raise InvalidArgumentError(
+                f"{spec.name}: out= must be a tuple of {len(names)} {self.name} device arrays, "
+                f"one per output ({', '.join(names)}); got {type(out).__name__}"
+                + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "") + ".")
+        for name, o in zip(names, out):
+            shape, dt = prob.outputs[name]  # type: ignore[index]
+            if not self.is_native(o):
+                raise InvalidArgumentError(
+                    f"{spec.name}: out= entry {name!r} must be a {self.name} device array; got "
+                    f"{type(o).__name__}. Create it on this backend.")
+            if tuple(o.shape) != tuple(shape):
+                raise ShapeError(f"{spec.name}: out= entry {name!r} has shape {tuple(o.shape)}; "
+                                 f"expected {tuple(shape)}.")
+            if dtypes.dtype_name(o.dtype) != dt:
+                raise DTypeError(f"{spec.name}: out= entry {name!r} has dtype "
+                                 f"{dtypes.dtype_name(o.dtype)}; expected {dt}.")
+            self.prepare_native(name, o)
+            self.check_writable(spec, o)
+        for i in range(1, len(out)):  # outputs written by one call must not share memory
+            self.check_no_alias(spec, out[i],
+                                [(f"out= entry {names[j]!r}", out[j]) for j in range(i)])
 
     def check_writable(self, spec: KernelSpec, out: Any) -> None:
         """Refuse an ``out=`` array the device may not write (default: nothing to check)."""
@@ -443,7 +481,12 @@ class Backend:
     def check_no_alias(self, spec: KernelSpec, out: Any, operands: Any) -> None:
         """Refuse ``out=`` that shares memory with any native operand: kernels read their
         inputs while they write, so an overlap gives silently wrong results (none of
-        portakern's ops is documented to work in place)."""
+        portakern's ops is documented to work in place). A tuple ``out`` (several outputs):
+        each entry."""
+        if out.__class__ is tuple:
+            for o in out:
+                self.check_no_alias(spec, o, operands)
+            return
         span = self.memory_span(out)
         if span is None:
             return
@@ -640,9 +683,15 @@ class KernelBackend(Backend):
     def _launch(self, plan: LaunchPlan, bufs: dict[str, Any], out: Any, prob: Problem) -> Any:
         """Enqueue a plan's kernels on ``bufs`` (operands by name, filled in with ``out`` and
         the workspace); return the output array."""
-        if out is None:
-            out = self.empty(prob.out_shape, prob.dtype)
-        bufs["out"] = out
+        outputs = prob.outputs
+        if outputs is None:
+            if out is None:
+                out = self.empty(prob.out_shape, prob.dtype)
+            bufs["out"] = out
+        else:  # several outputs, each its own buffer by name; returned as a tuple
+            if out is None:
+                out = tuple([self.empty(shape, dt) for shape, dt in outputs.values()])
+            bufs.update(zip(outputs, out))
         if plan.workspace:
             for name, (n, dt) in plan.workspace.items():  # per call: calls may run at once
                 bufs[name] = self.empty((n,), dt)

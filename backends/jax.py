@@ -43,7 +43,7 @@ from portakern.errors import (
     UnsupportedDTypeError,
 )
 from portakern.host import native_byte_order
-from portakern.spec import KernelSpec, Problem
+from portakern.spec import KernelSpec, Problem, storage_dtype
 
 from .base import FUNCTION_CACHE_SIZE, Availability, Backend, DeviceInfo, LRUCache, _cache_bound
 
@@ -117,7 +117,28 @@ class _HighestPrecisionNumpy:
 XP = _HighestPrecisionNumpy()
 
 
-def lower_semantics(spec: KernelSpec, params: Mapping[str, Any], dtype: str) -> Any:
+def _operand(x: Any, kind: str, compute: Any) -> Any:
+    """An operand as the semantics see it: bool masks as bool, int32 index tables as int32,
+    float operands in the compute dtype."""
+    if x is None:
+        return None
+    if kind == "bool":
+        return x.astype(bool)
+    if kind == "int32":
+        return x.astype(jnp.int32)
+    return x.astype(compute)
+
+
+def _cast_result(res: Any, storage: Any, out_dtypes: tuple[str, ...] | None) -> Any:
+    """The semantics' result in the output dtype; several outputs (``out_dtypes``, from
+    Problem.outputs): a tuple, each in its own dtype."""
+    if out_dtypes is None:
+        return res.astype(storage)
+    return tuple(r.astype(storage_dtype(dt)) for r, dt in zip(res, out_dtypes, strict=True))
+
+
+def lower_semantics(spec: KernelSpec, params: Mapping[str, Any], dtype: str,
+                    out_dtypes: tuple[str, ...] | None = None) -> Any:
     """``f(*operands)``: spec.semantics with jax.numpy in the compute dtype, cast back.
 
     Not jitted here, so the Pallas path can reuse it as the reference whose VJP is its
@@ -129,15 +150,14 @@ def lower_semantics(spec: KernelSpec, params: Mapping[str, Any], dtype: str) -> 
     static = dict(params)
 
     def lowered(*arrays: Any) -> Any:
-        args = [None if x is None else (x.astype(bool) if kind == "bool" else x.astype(compute))
-                for x, kind in zip(arrays, kinds, strict=True)]
-        return spec.semantics(XP, *args, **static).astype(storage)
+        args = [_operand(x, kind, compute) for x, kind in zip(arrays, kinds, strict=True)]
+        return _cast_result(spec.semantics(XP, *args, **static), storage, out_dtypes)
 
     return lowered
 
 
 def lower_semantics_traced(spec: KernelSpec, params: Mapping[str, Any], traced: tuple[str, ...],
-                           dtype: str) -> Any:
+                           dtype: str, out_dtypes: tuple[str, ...] | None = None) -> Any:
     """``f(*operands, *values)``: like ``lower_semantics``, with the parameters named in
     ``traced`` passed as (traced) arguments after the operands instead of baked in as
     constants: one compiled function serves every ``scale`` or ``eps``."""
@@ -148,11 +168,10 @@ def lower_semantics_traced(spec: KernelSpec, params: Mapping[str, Any], traced: 
     static = {k: v for k, v in params.items() if k not in traced}
 
     def lowered(*arrays: Any) -> Any:
-        args = [None if x is None else (x.astype(bool) if kind == "bool" else x.astype(compute))
-                for x, kind in zip(arrays[:n], kinds, strict=True)]
+        args = [_operand(x, kind, compute) for x, kind in zip(arrays[:n], kinds, strict=True)]
         kw = dict(static)
         kw.update(zip(traced, arrays[n:]))
-        return spec.semantics(XP, *args, **kw).astype(storage)
+        return _cast_result(spec.semantics(XP, *args, **kw), storage, out_dtypes)
 
     return lowered
 
@@ -397,8 +416,9 @@ class JaxBackend(Backend):
             spec.config(self.device_class, config, prob)  # same validation as other backends
         traced = () if use_pallas else traced_params(spec, prob.params)
         static = {k: v for k, v in prob.params.items() if k not in traced}
-        key = (spec.name, spec.token, _freeze(static), traced, prob.dtype, use_pallas,
-               tuple(sorted((blocks or {}).items())))
+        out_dtypes = None if prob.outputs is None else tuple(d for _, d in prob.outputs.values())
+        key = (spec.name, spec.token, _freeze(static), traced, prob.dtype, out_dtypes,
+               use_pallas, tuple(sorted((blocks or {}).items())))
         fn = self._fns.get(key)
         if fn is None:
             with self._fn_lock:
@@ -413,7 +433,7 @@ class JaxBackend(Backend):
                         fn = jax.jit(kernel)
                     else:
                         fn = jax.jit(lower_semantics_traced(spec, prob.params, traced,
-                                                            prob.dtype))
+                                                            prob.dtype, out_dtypes))
                     fn = _Compiled(fn, traced, key)
                     self._fns[key] = fn
         return fn

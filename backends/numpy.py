@@ -14,7 +14,7 @@ import numpy as np
 
 from portakern import dtypes
 from portakern.host import host_operand, nbytes_of
-from portakern.spec import KernelSpec, Problem
+from portakern.spec import KernelSpec, Problem, storage_dtype
 
 from .base import Availability, Backend, DeviceInfo
 
@@ -87,7 +87,11 @@ class NumpyBackend(Backend):
         for op in spec.operands:
             x = ins.get(op.name)
             args.append(None if x is None else
-                        (x.astype(bool) if op.kind == "bool" else x.astype(np.float64)))
+                        (x.astype(bool) if op.kind == "bool" else
+                         x.astype(np.int32) if op.kind == "int32" else x.astype(np.float64)))
         with np.errstate(all="ignore"):
             ref = spec.semantics(np, *args, **prob.params)
+        if prob.outputs is not None:  # several outputs: the semantics return a tuple
+            return tuple(np.asarray(r).astype(storage_dtype(dt))
+                         for r, (_, dt) in zip(ref, prob.outputs.values(), strict=True))
         return np.asarray(ref).astype(prob.info.storage)

@@ -25,7 +25,7 @@ from portakern.errors import (
     UnknownBackendError,
 )
 from portakern.host import native_byte_order
-from portakern.spec import Launch
+from portakern.spec import Launch, storage_dtype
 
 from .base import Availability, DeviceInfo, KernelBackend
 
@@ -471,7 +471,7 @@ class OpenCLBackend(KernelBackend):
         return held
 
     def _allocate(self, fn: Any, shape: tuple[int, ...], dtype: str) -> Any:
-        st = dtypes.info(dtype).storage
+        st = storage_dtype(dtype)  # a float dtype's storage, or int32 (index buffers)
         try:
             return fn(self.queue, shape, st, allocator=self._new_buffer)
         except cl.Error as exc:

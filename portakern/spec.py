@@ -57,7 +57,8 @@ class Tunable:
 
 @dataclass(frozen=True)
 class Operand:
-    """An array operand. kind 'float' shares the op's dtype; 'bool' is a boolean mask."""
+    """An array operand. kind 'float' shares the op's dtype; 'bool' is a boolean mask;
+    'int32' is an index table (dtype int32 only, never converted to float)."""
 
     name: str
     kind: str = "float"
@@ -118,10 +119,28 @@ class Problem:
     out_shape: tuple[int, ...]
     derived: dict[str, Any] = field(default_factory=dict)  # op-specific sizes (M, N, K, ...)
     empty_result: bool = False  # True: the answer is all zeros (or empty) with no kernel needed
+    # Several outputs: {name: (shape, dtype name)} in the order the op returns them (a tuple);
+    # launches name each as Buf(name). None: the one output Buf("out") of out_shape and dtype.
+    outputs: dict[str, tuple[tuple[int, ...], str]] | None = None
 
     @property
     def info(self) -> dtypes.DTypeInfo:
         return dtypes.info(self.dtype)
+
+    @property
+    def output_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every output by its buffer name: {"out": (out_shape, dtype)} for a one-output op."""
+        if self.outputs is None:
+            return {"out": (tuple(self.out_shape), self.dtype)}
+        return self.outputs
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """The numpy dtype an output or workspace buffer of dtype ``name`` is stored in: a float
+    dtype's storage type, or int32 (index tables, flags)."""
+    if name == "int32":
+        return np.dtype(np.int32)
+    return np.dtype(dtypes.info(name).storage)
 
 
 def array_meta(name: str, x: object, spec: str) -> ArrayMeta:
@@ -266,6 +285,11 @@ class KernelSpec:
                 if name != "bool":
                     raise DTypeError(f"{self.name}: {o.name!r} must be a boolean array (True = "
                                      f"keep); got dtype {name}. Use x.astype(bool).")
+            elif o.kind == "int32":
+                if name != "int32":
+                    raise DTypeError(f"{self.name}: {o.name!r} is an index table and must have "
+                                     f"dtype int32; got {name}. Use x.astype(np.int32) (indices "
+                                     "are never converted from float, nor narrowed silently).")
             else:
                 dtypes.info(m.dtype)
                 float_names.append(o.name)
@@ -277,6 +301,9 @@ class KernelSpec:
                              "for all float operands. Cast explicitly; portakern never promotes.")
         prob = self.validate(metas, dict(params))
         check_index_range(self.name, "the output", prob.out_shape)
+        if prob.outputs is not None:
+            for oname, (oshape, _) in prob.outputs.items():
+                check_index_range(self.name, f"output {oname!r}", oshape)
         return prob
 
     # --- tunables -----------------------------------------------------------------------
