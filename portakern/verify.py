@@ -33,6 +33,7 @@ check alone. An op without a statistical model (a user op) gets the worst-case c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -131,10 +132,13 @@ def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def compare_arrays(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[str, Any],
                    got: Any, prob: Problem | None = None) -> Verdict:
-    """Both checks of ``got`` against the float64 oracle on host (numpy) operands."""
+    """Both checks of ``got`` against the float64 oracle on host (numpy) operands. Several
+    outputs (``prob.outputs``): ``got`` is a tuple, each entry checked (``_compare_outputs``)."""
     if prob is None:
         prob = spec.problem(arrays, dict(params))
-    x64 = {k: (v if v is None or v.dtype == bool else np.asarray(v).astype(np.float64))
+    if prob.outputs is not None:
+        return _compare_outputs(spec, arrays, prob, got)
+    x64 = {k: (v if v is None or v.dtype.kind in "bi" else np.asarray(v).astype(np.float64))
            for k, v in arrays.items()}
     args = [x64[o.name] for o in spec.operands]
     with np.errstate(all="ignore"):
@@ -179,6 +183,39 @@ def compare_arrays(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[
             checks.append(Check("statistical", stat_ratio <= 1.0, stat_ratio, sidx, sdetail))
     ok = all(c.ok for c in checks)
     return Verdict(ok, worst, where, stat_ratio, idx, tuple(checks))
+
+
+def _compare_outputs(spec: KernelSpec, arrays: Mapping[str, Any], prob: Problem,
+                     got: Any) -> Verdict:
+    """Each output of a several-output op checked as a one-output op would be: the oracle's
+    tuple once, ``spec.tolerance(prob, inputs, refs)`` a tuple of bounds (or one bound for
+    all), each check named after its output."""
+    names = tuple(prob.outputs or ())
+    if not isinstance(got, tuple) or len(got) != len(names):
+        msg = f"expected a tuple of {len(names)} arrays ({', '.join(names)})"
+        return Verdict(False, math.inf, msg, None, None,
+                       (Check("worst-case", False, math.inf, None, msg),))
+    x64 = {k: (v if v is None or v.dtype.kind in "bi" else np.asarray(v).astype(np.float64))
+           for k, v in arrays.items()}
+    with np.errstate(all="ignore"):
+        refs = tuple(np.asarray(r, dtype=np.float64) for r in
+                     spec.semantics(np, *[x64[o.name] for o in spec.operands], **prob.params))
+        inputs = {k: v for k, v in x64.items() if v is not None}
+        bounds = spec.tolerance(prob, inputs, refs)
+    if not isinstance(bounds, tuple):
+        bounds = (bounds,) * len(names)
+    worst: Verdict | None = None
+    checks: list[Check] = []
+    for name, ref, bound, g in zip(names, refs, bounds, got):
+        one = spec.replace(semantics=lambda xp, *a, _r=ref, **k: _r,
+                           tolerance=lambda p, x, r, _b=bound: _b)
+        v = compare_arrays(one, arrays, prob.params, g,
+                           dataclasses.replace(prob, outputs=None, out_shape=ref.shape))
+        checks += [dataclasses.replace(c, name=f"{name}: {c.name}") for c in v.checks]
+        if worst is None or v.worst_ratio > worst.worst_ratio:
+            worst = dataclasses.replace(v, where=f"output {name!r} {v.where}")
+    assert worst is not None
+    return dataclasses.replace(worst, ok=all(c.ok for c in checks), checks=tuple(checks))
 
 
 def _statistic(st: StatModel, prob: Problem, err: np.ndarray, ref: np.ndarray,
@@ -262,6 +299,19 @@ def verify(op: str | KernelSpec, *operands: Any, got: Any = None, **params: Any)
     prob = spec.problem(arrays, bound_params)  # shapes, dtypes, params: as the op refuses them
     host = {k: (None if v is None else _host(f"operand {k!r}", v, spec.name))
             for k, v in arrays.items()}
+    if prob.outputs is not None:  # several outputs: got is a tuple, one array per output
+        if not isinstance(got, tuple) or len(got) != len(prob.outputs):
+            raise InvalidArgumentError(
+                f"verify({spec.name}): got must be a tuple of {len(prob.outputs)} arrays, one "
+                f"per output ({', '.join(prob.outputs)}); got {type(got).__name__}.")
+        got_t = tuple(_host(f"got[{i}]", g, spec.name) for i, g in enumerate(got))
+        for (name, (shape, dt)), g in zip(prob.outputs.items(), got_t):
+            if tuple(g.shape) != tuple(shape) or dtypes.dtype_name(g.dtype) != dt:
+                raise ShapeError(
+                    f"verify({spec.name}): output {name!r} has shape {tuple(g.shape)} and dtype "
+                    f"{dtypes.dtype_name(g.dtype)}; expected {tuple(shape)} {dt}, as "
+                    f"{spec.name} of these operands returns.")
+        return compare_arrays(spec, host, prob.params, got_t, prob)
     got_h = _host("got", got, spec.name)
     if tuple(got_h.shape) != tuple(prob.out_shape):
         raise ShapeError(

@@ -97,7 +97,8 @@ SPEC = pk.KernelSpec(
     launches=launches,
     cost=lambda p: pk.Cost(float(p.derived["M"] * p.derived["D"]),
                            2.0 * p.derived["M"] * p.derived["D"] * p.info.storage.itemsize),
-    tolerance=lambda p, x, ref: np.abs(ref) * 1e-5 + 1e-6,
+    # several outputs: the oracle's tuple in, one bound per output out
+    tolerance=lambda p, x, refs: tuple(np.abs(r) * 1e-5 + 1e-6 for r in refs),
     tunables=(pk.Tunable("WG", (1, 16, 64), "work-items per group"),),
     schedules={"gpu": {"WG": 64}, "cpu": {"WG": 16}},
 )
@@ -151,6 +152,23 @@ def test_out_of_range_index_gives_nan_row_never_reads_outside(target: str) -> No
     y, s = pk.call(SPEC, x, idx, backend=target)
     assert np.isnan(y[[0, 3, 5]]).all() and np.isnan(s[[0, 3, 5]]).all()
     _check((y, s), x, idx)
+
+
+def test_verify_checks_each_output() -> None:
+    x, idx = _inputs(3)
+    idx[2] = -5  # a NaN row: got must hold NaN exactly there
+    y, s = pk.call(SPEC, x, idx, backend="numpy")
+    v = pk.verify(SPEC, x, idx, got=(y, s))
+    assert v.ok, str(v)
+    assert [c.name for c in v.checks] == ["y: worst-case", "s: worst-case"]
+    bad = s.copy()
+    bad[4] += 1e-2
+    v = pk.verify(SPEC, x, idx, got=(y, bad))
+    assert not v.ok and "'s'" in v.where and v.index == (4,)
+    with pytest.raises(pk.InvalidArgumentError, match="tuple of 2"):
+        pk.verify(SPEC, x, idx, got=y)
+    with pytest.raises(pk.ShapeError, match="'s'"):
+        pk.verify(SPEC, x, idx, got=(y, s[:3]))
 
 
 @pytest.mark.parametrize("bad", [np.int64, np.float32, np.int16, np.uint32])
