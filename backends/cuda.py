@@ -69,7 +69,7 @@ from portakern.errors import (
     InvalidArgumentError,
     UnknownBackendError,
 )
-from portakern.spec import Launch
+from portakern.spec import Launch, storage_dtype
 
 from .base import Availability, DeviceInfo, KernelBackend
 
@@ -310,7 +310,7 @@ class CudaBackend(KernelBackend):
         return st
 
     def _allocate(self, fn: Any, shape: tuple[int, ...], dtype: str) -> Any:
-        st = dtypes.info(dtype).storage
+        st = storage_dtype(dtype)  # a float dtype's storage, or int32 (index buffers)
         nbytes = int(np.prod(shape)) * st.itemsize
         with self._cp_device:
             try:

@@ -366,7 +366,7 @@ class JaxBackend(Backend):
 
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
         with jax.default_device(self._jax_device):
-            return jnp.zeros(shape, dtypes.info(dtype).storage)
+            return jnp.zeros(shape, storage_dtype(dtype))
 
     def synchronize(self) -> None:
         pending, self._pending = self._pending, None

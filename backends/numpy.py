@@ -62,12 +62,12 @@ class NumpyBackend(Backend):
         float64 result and its cast to the output dtype."""
         parts = [(f"float64 copy of {k!r}", nbytes_of(v) // max(1, np.dtype(v.dtype).itemsize)
                   * 8) for k, v in present.items()]
-        n = 1
-        for d in prob.out_shape:
-            n *= int(d)
-        parts.append((f"float64 result {tuple(prob.out_shape)}", n * 8))
-        parts.append((f"output {tuple(prob.out_shape)} {prob.dtype}",
-                      n * prob.info.storage.itemsize))
+        for shape, dt in prob.output_specs.values():  # each output, when there are several
+            n = 1
+            for d in shape:
+                n *= int(d)
+            parts.append((f"float64 result {tuple(shape)}", n * 8))
+            parts.append((f"output {tuple(shape)} {dt}", n * storage_dtype(dt).itemsize))
         return parts
 
     def to_native(self, x: np.ndarray) -> np.ndarray:
@@ -77,7 +77,7 @@ class NumpyBackend(Backend):
         return x
 
     def zeros(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-        return np.zeros(shape, dtypes.info(dtype).storage)
+        return np.zeros(shape, storage_dtype(dtype))
 
     def execute(self, spec: KernelSpec, prob: Problem, ins: dict[str, Any],
                 config: Mapping[str, int] | None) -> np.ndarray:

@@ -144,6 +144,14 @@ def test_two_outputs_two_launches_match_oracle(target: str) -> None:
     _check(pk.call(SPEC, x, idx, offset=-2, backend=target), x, idx, -2)  # int scalar param
 
 
+def test_no_rows_gives_empty_outputs(target: str) -> None:
+    if not _host_target(target):
+        pytest.skip("numpy, opencl and jax are the targets of this test")
+    x, _ = _inputs()
+    y, s = pk.call(SPEC, x, np.zeros(0, np.int32), backend=target)
+    assert y.shape == (0, 5) and s.shape == (0,) and y.dtype == s.dtype == np.float32
+
+
 def test_out_of_range_index_gives_nan_row_never_reads_outside(target: str) -> None:
     if not _host_target(target):
         pytest.skip("numpy, opencl and jax are the targets of this test")
