@@ -322,9 +322,19 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                     /* the max seldom moves after the first tiles: one vector compare, and
                      * the lane reduction (through memory on PoCL) only when a lane exceeds
                      * it; same value as fmax(lane max, m) (NaN lanes compare false, as fmax
-                     * skips them; a NaN m takes the reduction) */
+                     * skips them; a NaN m takes the reduction). The lanes' test is ORed in
+                     * halves: PoCL's any() is a chain of per-lane-pair tests and branches */
                     const PK_ACC_T mo = m[t0 + t];
-                    mn = (any(bmv > (vt)(mo)) || mo != mo) ? fmax(at_lane_max(bmv), mo) : mo;
+                    const PK_CAT(int, VEC) up = bmv > (vt)(mo);
+#if VEC == 16
+                    const int8 u8 = up.lo | up.hi;
+                    const int4 u4 = u8.lo | u8.hi;
+                    const int2 u2 = u4.lo | u4.hi;
+                    const int moved = u2.x | u2.y;
+#else
+                    const int moved = any(up);
+#endif
+                    mn = (moved || mo != mo) ? fmax(at_lane_max(bmv), mo) : mo;
                 } else {
                     const PK_ACC_T bm = bmask[t];
                     if (bm == -PK_INFINITY) { /* nothing to attend: this row skips the tile */
