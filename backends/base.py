@@ -12,16 +12,16 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
-from portakern import codegen, dtypes, tuned
+from portakern import codegen, dtypes, settings, tuned
 from portakern.errors import DTypeError, InvalidArgumentError, ShapeError, UnsupportedDTypeError
 from portakern.host import check_host_memory, host_copy_bytes, host_operands, nbytes_of
+from portakern.lru import LRUCache  # noqa: F401  (re-exported: plan, jax)
 from portakern.spec import Buf, KernelSpec, Launch, Problem, Scalar, storage_dtype
 
 
@@ -82,78 +82,14 @@ _INSTANCES: weakref.WeakSet = weakref.WeakSet()  # every Backend instance of thi
 
 
 def _cache_bound(env: str, default: int) -> int:
-    try:
-        return max(1, int(os.environ.get(env, default)))
-    except ValueError:
-        return default
+    """A cache bound from its setting (portakern.settings: a positive int, else the default)."""
+    return int(settings.get(env) or default)
 
 
 # Bounds of the compiled-code caches (each entry holds a compiled program or executable, about
 # 1 MiB of host memory on PoCL and XLA:CPU): least recently used entries are dropped beyond.
 KERNEL_CACHE_SIZE = _cache_bound("PORTAKERN_KERNEL_CACHE_SIZE", 128)  # per C-kernel backend
 FUNCTION_CACHE_SIZE = _cache_bound("PORTAKERN_FUNCTION_CACHE_SIZE", 64)  # per jax backend
-
-
-class LRUCache:
-    """A dict-like cache of at most ``maxsize`` entries; ``get`` marks an entry recently used
-    and a store beyond the bound evicts the least recently used one (``on_evict`` is then
-    called, e.g. to drop what referenced it). Not thread-safe by itself: writers hold the
-    owner's lock; a concurrent reader may at worst miss and rebuild."""
-
-    def __init__(self, maxsize: int, on_evict: Any = None) -> None:
-        self.maxsize = int(maxsize)
-        self._data: OrderedDict = OrderedDict()
-        self._on_evict = on_evict
-        self.evictions = 0
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        data = self._data
-        try:
-            value = data[key]
-        except KeyError:
-            return default
-        try:
-            data.move_to_end(key)
-        except KeyError:  # evicted by another thread meanwhile
-            pass
-        return value
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        data = self._data
-        data[key] = value
-        data.move_to_end(key)
-        while len(data) > self.maxsize:
-            data.popitem(last=False)
-            self.evictions += 1
-            if self._on_evict is not None:
-                self._on_evict()
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._data[key]
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self._data
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __iter__(self) -> Any:
-        return iter(list(self._data))
-
-    def keys(self) -> Any:
-        return list(self._data.keys())
-
-    def values(self) -> Any:
-        return list(self._data.values())
-
-    def items(self) -> Any:
-        return list(self._data.items())
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        return self._data.pop(key, *default)
-
-    def clear(self) -> None:
-        self._data.clear()
 
 
 def _backends_after_fork_in_child() -> None:
@@ -620,6 +556,11 @@ class KernelBackend(Backend):
             enqueue(kernel, launch, args)
 
         return launch_it
+
+    def kernel_limits(self, kernel: Any) -> tuple[int | None, int | None]:
+        """(local memory bytes, largest work-group) the driver reports for one compiled kernel
+        (the tuner skips configs beyond them); (None, None) when this backend cannot tell."""
+        return None, None
 
     def raw_launcher(self, kernel: Any, launch: Launch, args: list[Any]) -> Any:
         """A zero-argument callable that enqueues ``kernel`` with ``args`` through the device

@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from portakern import dtypes
+from portakern import dtypes, settings
 from portakern.errors import (
     BackendUnavailable,
     CompileError,
@@ -414,6 +414,11 @@ class CudaBackend(KernelBackend):
     def buffer_arg(self, x: Any) -> Any:
         return x
 
+    def kernel_limits(self, kernel: Any) -> tuple[int | None, int | None]:
+        """The compiled function's static shared memory and its max threads per block."""
+        shared, most = kernel.shared_bytes, kernel.max_threads
+        return (int(shared) if shared else None), (int(most) if most else None)
+
     def raw_launcher(self, kernel: Any, launch: Launch, args: list[Any]) -> Any:
         fn, grid, block, argv = kernel.fn, tuple(launch.groups), tuple(launch.local), tuple(args)
 
@@ -476,11 +481,18 @@ def module_key(source: str, options: tuple[str, ...], cc: str, nvrtc: str, cupy_
 
 
 def _cache_dir() -> str | None:
-    """PORTAKERN_CUDA_CACHE (a directory, or 'off'); default ~/.cache/portakern/cuda."""
-    env = os.environ.get("PORTAKERN_CUDA_CACHE")
-    if env is not None and env.strip().lower() in ("0", "off", "no", "false", ""):
-        return None
-    return env or os.path.join(os.path.expanduser("~"), ".cache", "portakern", "cuda")
+    """PORTAKERN_CUDA_CACHE (a directory, or off); default <PORTAKERN_CACHE_DIR root>/cuda.
+    CuPy's own kernel cache (its matmul, used as a benchmark peer) follows it unless
+    CUPY_CACHE_DIR is set: every cache portakern causes lives under one root."""
+    if settings.raw("PORTAKERN_CUDA_CACHE") is not None:
+        got = settings.get("PORTAKERN_CUDA_CACHE")
+    else:
+        from portakern.cache import cache_root
+
+        got = str(cache_root() / "cuda")
+    if got is not None:
+        os.environ.setdefault("CUPY_CACHE_DIR", os.path.join(got, "cupy"))
+    return got
 
 
 def _disk_cache_load(key: str) -> bytes | None:
@@ -553,7 +565,7 @@ def find_ptxas() -> str | None:
     """$PORTAKERN_PTXAS, ptxas on PATH, beside nvcc, $CUDA_PATH/bin, /usr/local/cuda/bin."""
     import shutil
 
-    env = os.environ.get("PORTAKERN_PTXAS")
+    env = settings.get("PORTAKERN_PTXAS")
     if env:
         return env if os.path.isfile(env) else None
     found = shutil.which("ptxas")

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from portakern import settings
 from portakern.errors import BackendUnavailable, InvalidArgumentError
 
 DIALECT = "hip"
@@ -72,7 +73,7 @@ def normalize_arch(text: str) -> str:
 
 def find_hipcc() -> str | None:
     """$PORTAKERN_HIPCC, else hipcc on PATH, else /opt/rocm/bin/hipcc."""
-    env = os.environ.get("PORTAKERN_HIPCC")
+    env = settings.get("PORTAKERN_HIPCC")
     if env:
         return env if os.path.isfile(env) else None
     return shutil.which("hipcc") or next(

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from portakern import settings
 from portakern.errors import BackendUnavailable, KernelFaultError, UnknownBackendError
 from portakern.spec import Launch
 
@@ -83,7 +84,7 @@ _LIBRARY: list[Any] = []  # the ctypes handle, kept alive with the platform
 
 def find_icd() -> str | None:
     """Path of Oclgrind's ICD library, or None when it is not installed."""
-    given = os.environ.get("PORTAKERN_OCLGRIND_ICD")
+    given = settings.get("PORTAKERN_OCLGRIND_ICD")
     if given:
         return given if os.path.exists(given) else None
     exe = shutil.which("oclgrind")
@@ -137,7 +138,7 @@ def platform() -> Any:
 def add_simulator(av: Availability) -> Availability:
     """The OpenCL probe's devices plus the simulator (``opencl:oclgrind``, index after the
     real devices). Never raises: a broken simulator is noted in the versions and left out."""
-    if cl is None or os.environ.get("PORTAKERN_OCLGRIND") == "0":
+    if cl is None or not settings.get("PORTAKERN_OCLGRIND"):
         return av
     try:
         for d in av.devices:  # listed by the ICD loader itself (launcher, system ICD)
@@ -173,6 +174,17 @@ def simulator_info() -> DeviceInfo | None:
         if d.extra.get("simulator"):
             return d
     return None
+
+
+def names_simulator(name: str, device: str | None) -> bool:
+    """Whether a parsed selector (backend name, device or None) can mean the simulator: the
+    OpenCL backend with no device (``trace`` then picks the simulator), its alias or its index."""
+    if name != OpenCLBackend.name:
+        return False
+    if device is None or device == ALIAS:
+        return True
+    info = simulator_info()
+    return info is not None and device == str(info.index)
 
 
 def simulator_class(selector: str) -> type[OclgrindBackend] | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from portakern import dtypes
+from portakern import dtypes, settings
 from portakern.errors import (
     BackendUnavailable,
     CompileError,
@@ -235,7 +235,7 @@ class OpenCLBackend(KernelBackend):
         self._fast_empty = True  # False: pyopencl changed, arrays come from cla.empty
         self.queue = cl.CommandQueue(self.ctx)
         self._pool: Any = None
-        if os.environ.get("PORTAKERN_OPENCL_POOL", "1") != "0":
+        if settings.get("PORTAKERN_OPENCL_POOL"):
             import pyopencl.tools as cl_tools
 
             self._pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
@@ -511,6 +511,15 @@ class OpenCLBackend(KernelBackend):
                 kernel.set_arg_types(kinds)
                 kernel._portakern_arg_kinds = kinds
 
+    def kernel_limits(self, kernel: Any) -> tuple[int | None, int | None]:
+        """clGetKernelWorkGroupInfo: LOCAL_MEM_SIZE and WORK_GROUP_SIZE on this device."""
+        try:
+            info = cl.kernel_work_group_info
+            return (int(kernel.get_work_group_info(info.LOCAL_MEM_SIZE, self._cl_device)),
+                    int(kernel.get_work_group_info(info.WORK_GROUP_SIZE, self._cl_device)))
+        except Exception:
+            return None, None
+
     def raw_launcher(self, kernel: Any, launch: Launch, args: list[Any]) -> Any:
         queue, gsize, local = self.queue, launch.global_size, launch.local
         enqueue = cl.enqueue_nd_range_kernel
@@ -583,7 +592,7 @@ def _cache_dir() -> str | None:
     Without a home directory ($HOME unset, no passwd entry, no XDG_CACHE_HOME) PyOpenCL's
     default would be a literal '~' directory under the working directory: then a
     ``pyopencl`` directory beside portakern's own cache (with its fallback and warning)."""
-    env = os.environ.get("PORTAKERN_OPENCL_CACHE")
+    env = settings.get("PORTAKERN_OPENCL_CACHE")
     if env:
         return env
     if os.environ.get("HOME") or os.environ.get("XDG_CACHE_HOME"):

@@ -6,7 +6,6 @@ from . import backends  # the registry; calling it lists every backend
 from ._version import __version__ as __version__
 from .api import attention, call, matmul, rmsnorm, softmax
 from .backends import refresh as refresh_backends
-from .cases import register_cases
 from .errors import (
     BackendUnavailable,
     CompileError,
@@ -22,7 +21,8 @@ from .errors import (
     UnsupportedDTypeError,
 )
 from .info import to_backend
-from .ops import register_op, unregister_op
+from .ops import register_op as _register_op
+from .ops import unregister_op
 from .selection import explain, use
 from .spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
 from .verify import Verdict, verify
@@ -37,3 +37,29 @@ __all__ = [
     "softmax", "to_backend",
     "unregister_op", "use", "Verdict", "verify",
 ]
+
+
+def register_op(spec: KernelSpec, *, replace: bool = False, check: bool = False) -> KernelSpec:
+    """Make a spec visible to `portakern.call`, `portakern check`, the tests and the benchmark.
+
+    The spec is checked first (portakern.spec_check.check_spec): a malformed field raises
+    SpecError naming the spec, the field and the fix. ``check=True`` also compiles the spec's
+    example on every available C-kernel backend and through NVRTC, and traces its semantics
+    with jax (seconds, not milliseconds: use it in tests and when developing an op).
+    """
+    if check and isinstance(spec, KernelSpec):  # the tool loads only when asked for
+        from .spec_tools import check_spec
+
+        check_spec(spec, compile=True)
+    return _register_op(spec, replace=replace)
+
+
+def __getattr__(name: str) -> object:
+    """Public names that live in tools modules, imported on first use so that importing the
+    package or calling an op loads no tool (tests/test_layers.py)."""
+    if name == "register_cases":
+        from .cases import register_cases
+
+        globals()[name] = register_cases
+        return register_cases
+    raise AttributeError(f"module 'portakern' has no attribute {name!r}")

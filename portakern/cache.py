@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from . import settings
 from .errors import InvalidArgumentError
 
 FORMAT = "portakern-cache"
@@ -70,9 +71,9 @@ def cache_root() -> Path:
     Without ``$HOME`` and without a passwd entry for this uid (a container run with an
     arbitrary uid) there is no home directory: then a private directory under the system
     temporary directory, ``portakern-cache-<uid>``, with one CacheWarning saying so."""
-    env = os.environ.get(ENV_DIR)
-    if env and env.strip():
-        return Path(os.path.expanduser(env))
+    env = settings.get(ENV_DIR)
+    if env:
+        return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME")
     if xdg and os.path.isabs(xdg):
         return Path(xdg) / "portakern"

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
 
 def _info(args: argparse.Namespace) -> int:
     from . import backends as registry
-    from . import selection
+    from . import selection, settings
 
     report = {}
     for name in registry.names():
@@ -41,17 +42,23 @@ def _info(args: argparse.Namespace) -> int:
         choice = selection.explain()
     except Exception as exc:  # report, don't crash: info is what users run when things break
         choice = f"no usable backend ({exc})"
+    env = settings.describe()
     if args.json:
-        print(json.dumps({"backends": report, "automatic": choice}, indent=2, default=str))
+        print(json.dumps({"backends": report, "automatic": choice,
+                          "settings": {n: {"value": v, "doc": d} for n, v, d in env}},
+                         indent=2, default=str))
     else:
         print(f"\nautomatic selection: {choice}")
+        print("\nsettings (environment variables, portakern/settings.py):")
+        for name, value, doc in env:
+            print(f"  {name} = {value}\n      {doc}")
     return 0
 
 
 def _tuned(name: str, device: object, versions: dict) -> list[dict]:
-    """Tuned entries of one device (portakern.tune); [] when the tuner or its DB is absent."""
+    """Tuned entries of one device (portakern.tuned); [] when the tuner or its DB is absent."""
     try:
-        from .tune import tuned_summary
+        from .tuned import tuned_summary
 
         return tuned_summary(name, device, versions)  # type: ignore[arg-type]
     except Exception:  # info must report, never crash
@@ -59,7 +66,7 @@ def _tuned(name: str, device: object, versions: dict) -> list[dict]:
 
 
 def _format_tuned(row: dict) -> str:
-    from .tune import format_entry
+    from .tuned import format_entry
 
     return format_entry(row)
 
@@ -175,7 +182,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"portakern {args.command}: {exc}", file=sys.stderr)
             return 2
     try:
-        return int(args.fn(args) or 0)
+        code = int(args.fn(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:  # `portakern show ... | head -1`: the reader left; say nothing
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the exit-time flush cannot complain
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer the pipe stopped
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -45,6 +45,9 @@ class Dialect:
     launch_bounds: str = ""  # format with {n} and {m}
     extra: str = ""
     option_defaults: tuple[str, ...] = field(default=())
+    # the spec schedule a kernel in this dialect is shown with when no device is at hand
+    # (`portakern show --backend cuda` on a machine without a GPU)
+    device_class: str = "cpu"
 
 
 _CUDA_IDS = "((({d}) == 0) ? {v}.x : (({d}) == 1) ? {v}.y : {v}.z)"
@@ -71,6 +74,7 @@ DIALECTS: dict[str, Dialect] = {
     ),
     "cuda": Dialect(
         name="cuda",
+        device_class="gpu",
         headers="#include <cuda_fp16.h>",
         kernel='extern "C" __global__',
         device_fn="static __device__ __forceinline__",
@@ -91,6 +95,7 @@ DIALECTS: dict[str, Dialect] = {
     # differs. Rendered and documented, not yet run on AMD hardware.
     "hip": Dialect(
         name="hip",
+        device_class="gpu",
         headers="#include <hip/hip_fp16.h>",
         kernel='extern "C" __global__',
         device_fn="static __device__ __forceinline__",

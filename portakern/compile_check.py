@@ -16,8 +16,8 @@ Rendering needs a Problem, and a Problem needs operand shapes: ``representative_
 builds them from shape/dtype stand-ins (no data). Built-in ops have a table below, chosen to
 cover what changes the rendered source (dtype, schedule, head dims 64/40/80/111/128 for
 attention) plus a masked causal variant (the same source: mask and causal are run-time
-flags); a user op registers its own with ``register_representative`` (``register_op`` does
-this from the spec's example).
+flags); a user op's spec renders its own example (or one from its ``shapes``), or registers more
+with ``register_representative``.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ import os
 import re
 import time
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import codegen, dtypes
+from . import codegen, dtypes, settings
 from .backends.cuda import COMPUTE_ARCHS, normalize_arch  # noqa: F401 (re-exported)
 from .errors import BackendUnavailable, CompileError, InvalidArgumentError, PortakernError
 from .ops import OPS, get_op
 from .spec import KernelSpec, Problem
+from .spec_check import representative_maker
 
 DEFAULT_ARCHS: tuple[str, ...] = COMPUTE_ARCHS  # compute_70, 80, 90
 DEFAULT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
@@ -101,6 +102,8 @@ def representative_problems(spec: KernelSpec, dtype: str = "float32"
     Empty when the op has no table entry (the check then reports it as skipped, not passed).
     """
     maker = _REPRESENTATIVE.get(spec.name)
+    if maker is None and (spec.example is not None or spec.shapes is not None):
+        maker = representative_maker(spec)  # the spec's own example
     if maker is None:
         return []
     st = dtypes.info(dtype).storage
@@ -113,7 +116,7 @@ def representative_problems(spec: KernelSpec, dtype: str = "float32"
 
 # --- cases and results -------------------------------------------------------------------
 @dataclass
-class Case:
+class CompileCase:
     """One rendered source to compile for one architecture."""
 
     op: str
@@ -137,7 +140,7 @@ class Case:
 
 @dataclass
 class CompileResult:
-    case: Case
+    case: CompileCase
     status: str  # 'ok' | 'FAIL' | 'skip'
     seconds: float = 0.0
     error: PortakernError | None = None
@@ -267,7 +270,7 @@ def compile_source(source: str, arch: str, options: Sequence[str] | None = None,
     return raw.ptx
 
 
-def _result(case: Case, raw: _Raw) -> CompileResult:
+def _result(case: CompileCase, raw: _Raw) -> CompileResult:
     if raw.ptx is None:
         return CompileResult(case, "FAIL", raw.seconds, error=_error(raw, case.source, case.arch))
     return CompileResult(case, "ok", raw.seconds, ptx_bytes=len(raw.ptx),
@@ -283,9 +286,9 @@ def default_jobs() -> int:
 
     NVRTC holds the GIL, so parallel compiles need processes, not threads.
     """
-    env = os.environ.get("PORTAKERN_COMPILE_JOBS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
+    jobs = settings.get("PORTAKERN_COMPILE_JOBS")
+    if jobs:
+        return int(jobs)
     try:
         ncpu = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -295,11 +298,11 @@ def default_jobs() -> int:
 
 def cases(archs: Iterable[str] = DEFAULT_ARCHS, ops: Iterable[str] | None = None,
           dtypes_: Iterable[str] | None = None, dialect: str = DIALECT,
-          normalize: Callable[[str], str] = normalize_arch) -> list[Case]:
+          normalize: Callable[[str], str] = normalize_arch) -> list[CompileCase]:
     """Every (op, dtype, schedule, problem, arch) with its rendered source (no NVRTC yet)."""
     arch_list = [normalize(a) for a in archs]
     op_names = list(OPS) if ops is None else list(ops)
-    out: list[Case] = []
+    out: list[CompileCase] = []
     for op in op_names:
         spec = get_op(op)
         for dt in (DEFAULT_DTYPES if dtypes_ is None else tuple(dtypes_)):
@@ -307,28 +310,27 @@ def cases(archs: Iterable[str] = DEFAULT_ARCHS, ops: Iterable[str] | None = None
             try:
                 probs = representative_problems(spec, dt)
             except PortakernError as exc:
-                out += [Case(op, dt, "-", "-", a, error=exc) for a in arch_list]
+                out += [CompileCase(op, dt, "-", "-", a, error=exc) for a in arch_list]
                 continue
             if not probs:
-                out += [Case(op, dt, "-", "(none)", a) for a in arch_list]
+                out += [CompileCase(op, dt, "-", "(none)", a) for a in arch_list]
                 continue
             for label, prob in probs:
                 for sched in sorted(spec.schedules) or ["gpu"]:
                     src, err = "", None
                     try:
                         cfg = spec.config(sched, None, prob)
-                        src = codegen.render(spec.source, dialect, slots=spec.slots(prob),
-                                             defines=spec.defines(prob, cfg))
+                        src = spec.render(dialect, prob, cfg)
                     except PortakernError as exc:
                         err = exc
-                    out += [Case(op, dt, sched, label, a, src, err) for a in arch_list]
+                    out += [CompileCase(op, dt, sched, label, a, src, err) for a in arch_list]
     return out
 
 
 _MEMO: dict[tuple[str, str, tuple[str, ...]], CompileResult] = {}
 
 
-def compile_case(case: Case, options: Sequence[str] | None = None) -> CompileResult:
+def compile_case(case: CompileCase, options: Sequence[str] | None = None) -> CompileResult:
     """Compile one case (identical source+arch+options compiled once per process)."""
     if case.error is not None:
         return CompileResult(case, "FAIL", error=case.error, note="rendering failed")
@@ -347,7 +349,7 @@ def compile_case(case: Case, options: Sequence[str] | None = None) -> CompileRes
     return res
 
 
-def _memo_key(case: Case, opts: tuple[str, ...]) -> tuple[str, str, tuple[str, ...]]:
+def _memo_key(case: CompileCase, opts: tuple[str, ...]) -> tuple[str, str, tuple[str, ...]]:
     return (hashlib.sha256(case.source.encode()).hexdigest(), case.arch, opts)
 
 
@@ -371,13 +373,14 @@ def compile_all(archs: Iterable[str] = DEFAULT_ARCHS, ops: Iterable[str] | None 
     return compile_cases(cases(arch_list, ops, dtypes), progress, options, jobs)
 
 
-def compile_cases(todo: Sequence[Case], progress: Callable[[CompileResult], None] | None = None,
+def compile_cases(todo: Sequence[CompileCase],
+                  progress: Callable[[CompileResult], None] | None = None,
                   options: Sequence[str] | None = None, jobs: int | None = None
                   ) -> list[CompileResult]:
     """Compile the given cases (see compile_all); distinct sources in parallel processes."""
     opts = tuple(base_options() if options is None else options)
     jobs = default_jobs() if jobs is None else max(1, int(jobs))
-    fresh: dict[tuple[str, str, tuple[str, ...]], Case] = {}
+    fresh: dict[tuple[str, str, tuple[str, ...]], CompileCase] = {}
     for c in todo:
         if c.source and c.error is None and _memo_key(c, opts) not in _MEMO:
             fresh.setdefault(_memo_key(c, opts), c)
@@ -537,14 +540,6 @@ def _print_failures(failed: list[CompileResult]) -> None:
         print(f"\n===== FAIL {names}\n{rs[0].error}")
 
 
-def result_summary(results: Iterable[CompileResult]) -> Mapping[str, int]:
-    """Counts by status, for callers that record the check beside other results."""
-    counts: dict[str, int] = {}
-    for r in results:
-        counts[r.status] = counts.get(r.status, 0) + 1
-    return counts
-
-
 # --- AMD: the hip dialect through hipcc (portakern.backends.hip) -----------------------------
 _HIP_MEMO: dict[tuple[str, str], CompileResult] = {}
 
@@ -556,7 +551,7 @@ def _hip() -> Any:
 
 
 def hip_cases(archs: Iterable[str] | None = None, ops: Iterable[str] | None = None,
-              dtypes_: Iterable[str] | None = None) -> list[Case]:
+              dtypes_: Iterable[str] | None = None) -> list[CompileCase]:
     """Every op x dtype x schedule x problem rendered in the hip dialect, per gfx target."""
     hip = _hip()
     out = cases(archs or hip.DEFAULT_ARCHS, ops, dtypes_, dialect=hip.DIALECT,
@@ -566,7 +561,7 @@ def hip_cases(archs: Iterable[str] | None = None, ops: Iterable[str] | None = No
     return out
 
 
-def compile_case_hip(case: Case) -> CompileResult:
+def compile_case_hip(case: CompileCase) -> CompileResult:
     """Compile one hip case with hipcc (identical source+arch compiled once per process)."""
     if case.error is not None:
         return CompileResult(case, "FAIL", error=case.error, note="rendering failed")
@@ -596,20 +591,20 @@ def compile_case_hip(case: Case) -> CompileResult:
 def compile_hip_source(source: str, arch: str, name: str = "portakern.hip") -> CompileResult:
     """Compile one rendered hip source; raise CompileError (log + numbered source) on failure."""
     stem = name[:-4] if name.endswith(".hip") else name  # compiled as <stem>.hip
-    res = compile_case_hip(Case(stem, "-", "-", "-", _hip().normalize_arch(arch), source,
+    res = compile_case_hip(CompileCase(stem, "-", "-", "-", _hip().normalize_arch(arch), source,
                                 label=arch))
     if res.error is not None:
         raise res.error
     return res
 
 
-def compile_cases_hip(todo: Sequence[Case], progress: Callable[[CompileResult], None] | None
+def compile_cases_hip(todo: Sequence[CompileCase], progress: Callable[[CompileResult], None] | None
                       = None, jobs: int | None = None) -> list[CompileResult]:
     """Compile hip cases, distinct sources on ``jobs`` threads (each a hipcc process)."""
     import concurrent.futures
 
     jobs = default_jobs() if jobs is None else max(1, int(jobs))
-    first: dict[tuple[str, str], Case] = {}
+    first: dict[tuple[str, str], CompileCase] = {}
     for c in todo:
         if c.source and c.error is None:
             first.setdefault((hashlib.sha256(c.source.encode()).hexdigest(), c.arch), c)

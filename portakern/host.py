@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from . import settings
 from .dtypes import dtype_name
 from .errors import HostMemoryError, InvalidArgumentError, NotAnArrayError
 
@@ -91,9 +92,9 @@ def _address_space_headroom() -> int | None:
 
 def memory_budget() -> tuple[int, str]:
     """(bytes, what set it): the most host memory one call may ask for."""
-    env = os.environ.get(ENV_BUDGET)
-    if env and env.strip():
-        budget, why = _parse_bytes(env), f"${ENV_BUDGET}={env.strip()}"
+    env = settings.raw(ENV_BUDGET)
+    if env:
+        budget, why = _parse_bytes(env), f"${ENV_BUDGET}={env}"
     else:
         try:
             phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

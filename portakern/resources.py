@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import codegen, dtypes
+from . import dtypes
 from .errors import BackendUnavailable, PortakernError
 from .ops import get_op
 from .spec import KernelSpec
@@ -151,8 +151,7 @@ def render(spec: KernelSpec, dialect: str, dtype: str, schedule: str = "gpu",
                              "with portakern.compile_check.register_representative.")
     label, prob = probs[problem]
     cfg = spec.config(schedule, dict(config) if config else None, prob)
-    src = codegen.render(spec.source, dialect, slots=spec.slots(prob),
-                         defines=spec.defines(prob, cfg))
+    src = spec.render(dialect, prob, cfg)
     sizes: dict[str, int] = {}
     for launch in spec.launches(prob, cfg):
         n = launch.local[0] * launch.local[1] * launch.local[2]

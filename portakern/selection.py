@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import backends as registry
+from . import settings
 from .backends.base import Backend
 from .errors import BackendUnavailable, UnknownBackendError
 
@@ -169,8 +170,8 @@ def resolve(backend: str | Backend | None = None, arrays: Iterable[Any] | None =
     cur = _current.get()
     if cur is not None:
         return cur if isinstance(cur, Backend) else get(cur, "portakern.use(...)")
-    env = os.environ.get(ENV_VAR)
-    if env is not None and env.strip():
+    env = settings.raw(ENV_VAR)
+    if env is not None:
         return get(env, f"${ENV_VAR}")
     owner = owner_of(arrays)
     if owner is not None:
@@ -191,8 +192,8 @@ def explain(backend: str | None = None) -> str:
     cur = _current.get()
     if cur is not None:
         return f"{resolve().describe()}: set by portakern.use({cur!r})"
-    env = os.environ.get(ENV_VAR)
-    if env is not None and env.strip():
+    env = settings.raw(ENV_VAR)
+    if env is not None:
         return f"{resolve().describe()}: set by ${ENV_VAR}={env}"
     sel, why = automatic()
     return f"{get(sel).describe()}: automatic choice — {why}"

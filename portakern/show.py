@@ -73,7 +73,7 @@ def dialect_of(backend: str) -> tuple[str, str]:
     """(dialect, device class) for a dialect name or a backend name/selector."""
     name = backend.split(":")[0]
     if name in codegen.DIALECTS:
-        return name, "gpu" if name in ("cuda", "hip") else "cpu"
+        return name, codegen.DIALECTS[name].device_class
     cls = registry.load(name) if name in registry.names() else None
     dialect = getattr(cls, "dialect", None) if isinstance(cls, type) else None
     if dialect is None:
@@ -89,8 +89,7 @@ def show(op: str, backend: str = "opencl", dtype: str = "float32", shape: str | 
     dialect, device_class = dialect_of(backend)
     prob = representative_problem(spec, dtype, parse_sizes(shape))
     cfg = spec.config(schedule or device_class, None, prob)
-    src = codegen.render(spec.source, dialect, slots=spec.slots(prob),
-                         defines=spec.defines(prob, cfg))
+    src = spec.render(dialect, prob, cfg)
     head = (f"// {op} for {dialect}, dtype {dtype}, schedule {schedule or device_class} {cfg}\n"
             f"// launches: {spec.launches(prob, cfg)[:1]}\n")
     return head + src

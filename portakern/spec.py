@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import dtypes
+from . import codegen, dtypes
 from .errors import (
     DTypeError,
     InvalidArgumentError,
@@ -28,8 +28,8 @@ from .errors import (
     SpecError,
 )
 
-if TYPE_CHECKING:  # cases imports nothing from here, but keep spec importable on its own
-    from .cases import Case, Chooser
+if TYPE_CHECKING:  # sampling imports nothing from here, but keep spec importable on its own
+    from .sampling import Case, Chooser
 
 _SPEC_TOKENS = itertools.count()
 
@@ -306,6 +306,13 @@ class KernelSpec:
                 check_index_range(self.name, f"output {oname!r}", oshape)
         return prob
 
+    # --- rendering ----------------------------------------------------------------------
+    def render(self, dialect: str, problem: Problem, config: Mapping[str, int]) -> str:
+        """This op's kernel source in a C dialect for one problem and validated config: the
+        slots and defines the spec derives, substituted by portakern.codegen.render."""
+        return codegen.render(self.source, dialect, slots=self.slots(problem),
+                              defines=self.defines(problem, config))
+
     # --- tunables -----------------------------------------------------------------------
     def config(self, device_class: str, overrides: Mapping[str, object] | None = None,
                problem: Problem | None = None) -> dict[str, int]:
@@ -337,14 +344,3 @@ def params_key_of(params: Mapping[str, Any]) -> tuple:
     """The parameters' part of a validation-memo key (portakern.api). Types too: True == 1
     and hash(True) == hash(1), yet axis=True must be refused."""
     return tuple([(k, v.__class__, v) for k, v in params.items()])
-
-
-def reject_unsupported(spec: str, dtype_name: str, supported: Sequence[str], device: str) -> None:
-    from .errors import UnsupportedDTypeError
-
-    if dtype_name not in supported:
-        fix = ("choose a device with fp64 support (cl_khr_fp64 / CUDA) or use float32"
-               if dtype_name == "float64" else "cast to a supported dtype")
-        raise UnsupportedDTypeError(
-            f"{spec}: dtype {dtype_name} cannot run on {device}; it supports "
-            f"{', '.join(supported)}. Fix: {fix}.")

@@ -239,7 +239,7 @@ def main(args: argparse.Namespace) -> int:
     from .selection import parse
 
     name, dev = parse(args.backend, "--backend")
-    if name != "opencl" or (dev is not None and not _is_simulator(dev)):
+    if not _is_simulator(name, dev):
         raise BackendUnavailable(f"portakern trace counts on the Oclgrind simulator only; got "
                                  f"--backend {args.backend}. Use --backend opencl:oclgrind.")
     shapes = {k: tuple(int(d) for d in v.split(",") if d.strip())
@@ -252,8 +252,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_simulator(dev: str) -> bool:
-    from .backends.oclgrind import ALIAS, simulator_info
+def _is_simulator(name: str, dev: str | None) -> bool:
+    from .backends.oclgrind import names_simulator
 
-    info = simulator_info()
-    return dev == ALIAS or (info is not None and dev == str(info.index))
+    return names_simulator(name, dev)

@@ -202,26 +202,6 @@ def random_inputs(spec: KernelSpec, prob: Problem, rng: np.random.Generator
     return out
 
 
-def _kernel_limits(kernel: Any) -> tuple[int | None, int | None]:
-    """(local memory bytes, max work-group size) the driver reports for a compiled kernel,
-    where the backend's kernel object exposes them (CUDA function attributes, OpenCL's
-    clGetKernelWorkGroupInfo); (None, None) when it does not."""
-    shared, most = getattr(kernel, "shared_bytes", None), getattr(kernel, "max_threads", None)
-    if shared is not None or most is not None:
-        return (int(shared) if shared else None), (int(most) if most else None)
-    query = getattr(kernel, "get_work_group_info", None)
-    if query is None:
-        return None, None
-    try:
-        import pyopencl as cl
-
-        dev = kernel.context.devices[0]
-        return (int(query(cl.kernel_work_group_info.LOCAL_MEM_SIZE, dev)),
-                int(query(cl.kernel_work_group_info.WORK_GROUP_SIZE, dev)))
-    except Exception:
-        return None, None
-
-
 def _fmt_cfg(cfg: Mapping[str, int]) -> str:
     return " ".join(f"{k}={v}" for k, v in cfg.items())
 
@@ -425,7 +405,7 @@ def tune(op: str | KernelSpec, backend: str | Backend | None = None, *, budget_s
         launches = spec.launches(prob, cfg)
         wg = max((la.local[0] * la.local[1] * la.local[2] for la in launches), default=1)
         for k in kernels.values():
-            local, most = _kernel_limits(k)
+            local, most = be.kernel_limits(k)
             if local is not None and local > be.device.local_mem_bytes:
                 search.skipped[f"local memory > {be.device.local_mem_bytes} B"] += 1
                 return None

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 import threading
 import warnings
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import codegen, dtypes
+from . import codegen, dtypes, settings
 from .cache import CacheWarning, Store
 from .errors import InvalidArgumentError, PortakernError
 from .spec import KernelSpec, Problem
@@ -50,12 +49,7 @@ class TuningWarning(CacheWarning):
 # --- switches and buckets -----------------------------------------------------------------
 def mode() -> str:
     """'off', 'exact' or 'nearest' from $PORTAKERN_TUNING (default 'nearest')."""
-    raw = (os.environ.get(ENV_TUNING) or "").strip().lower()
-    if raw in ("0", "off", "no", "false", "none"):
-        return "off"
-    if raw == "exact":
-        return "exact"
-    return "nearest"
+    return str(settings.get(ENV_TUNING))
 
 
 def size_class(v: int) -> int:

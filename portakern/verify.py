@@ -44,21 +44,9 @@ import numpy as np
 from . import dtypes
 from .errors import DTypeError, InvalidArgumentError, NotAnArrayError, ShapeError
 from .spec import KernelSpec, Problem
+from .statmodel import StatModel
 
 ALPHA = 1e-9  # false-alarm probability of the statistical check, per verdict
-
-
-@dataclass(frozen=True)
-class StatModel:
-    """An op's probabilistic error model for one problem (see the module docstring).
-
-    sigma: random part's scale (sub-Gaussian variance proxy sigma^2), broadcastable to the
-    output; slack: deterministic part's bound (0 where none); group_axes: output axes along
-    which errors may be correlated (reduced first, then averaged over independent groups)."""
-
-    sigma: Any
-    slack: Any = 0.0
-    group_axes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -233,7 +233,7 @@ def test_attention_cost() -> None:
 # --- suites --------------------------------------------------------------------------------------
 def test_quick_suite_covers_the_issue_sizes() -> None:
     cases = suites.suite_cases("quick")
-    by_op: dict[str, list[suites.Case]] = {}
+    by_op: dict[str, list[suites.BenchCase]] = {}
     for c in cases:
         by_op.setdefault(c.op, []).append(c)
     assert set(by_op) >= {"matmul", "softmax", "attention", "rmsnorm"}  # every registered op
@@ -268,9 +268,9 @@ def test_every_suite_case_validates_and_has_a_cost(suite: str) -> None:
 
 
 def test_inputs_are_deterministic_per_case() -> None:
-    c = suites.Case("attention", "bfloat16", {"B": 1, "Hq": 2, "Hkv": 1, "Sq": 3, "Sk": 5,
+    c = suites.BenchCase("attention", "bfloat16", {"B": 1, "Hq": 2, "Hkv": 1, "Sq": 3, "Sk": 5,
                                               "D": 4, "Dv": 4})
-    a, b = suites.make_inputs(c), suites.make_inputs(suites.Case.from_dict(c.as_dict()))
+    a, b = suites.make_inputs(c), suites.make_inputs(suites.BenchCase.from_dict(c.as_dict()))
     assert a["k"].shape == (1, 1, 5, 4) and a["k"].dtype.name == "bfloat16"
     assert list(a) == ["q", "k", "v", "mask"] and a["mask"] is None  # absent optional operand
     for n in ("q", "k", "v"):
@@ -291,7 +291,7 @@ def test_numpy_worker_measures_and_refuses_fp16() -> None:
     from portakern.bench import numpy_worker
 
     t = timing.TimingConfig(min_time=0.0, min_reps=2, budget_s=10).as_dict()
-    case = suites.Case("attention", "float32", {"B": 1, "Hq": 4, "Hkv": 2, "Sq": 8, "Sk": 8,
+    case = suites.BenchCase("attention", "float32", {"B": 1, "Hq": 4, "Hkv": 2, "Sq": 8, "Sk": 8,
                                                 "D": 8, "Dv": 8}, {"causal": True})
     got = numpy_worker.handle({"case": case.as_dict(), "timing": t})["measurement"]
     assert got["status"] == "ok" and got["reps"] >= 2
@@ -301,7 +301,7 @@ def test_numpy_worker_measures_and_refuses_fp16() -> None:
     want = get_op("attention").semantics(np, *(x[n].astype(np.float64) for n in "qkv"),
                                          causal=True)
     np.testing.assert_allclose(fn(), want, rtol=1e-4, atol=1e-5)
-    half = suites.Case("matmul", "float16", {"M": 4, "N": 4, "K": 4, "batch": []})
+    half = suites.BenchCase("matmul", "float16", {"M": 4, "N": 4, "K": 4, "batch": []})
     got = numpy_worker.handle({"case": half.as_dict(), "timing": t})["measurement"]
     assert got["status"] == "unavailable" and "float16" in got["reason"]
 
@@ -310,7 +310,7 @@ def test_numpy_worker_runs_the_semantics_of_an_op_without_a_handwritten_peer() -
     from portakern.bench import numpy_worker
 
     t = timing.TimingConfig(min_time=0.0, min_reps=2, budget_s=10).as_dict()
-    case = suites.Case("rmsnorm", "float16", {"x": [3, 16], "weight": [16]}, {"eps": 1e-6})
+    case = suites.BenchCase("rmsnorm", "float16", {"x": [3, 16], "weight": [16]}, {"eps": 1e-6})
     got = numpy_worker.handle({"case": case.as_dict(), "timing": t})["measurement"]
     assert got["status"] == "ok" and "spec.semantics(numpy" in got["what"]
     assert "float32" in got["what"] and "cast" in got["what"]  # fp16 computes in fp32
@@ -460,7 +460,7 @@ def test_interrupt_still_writes_results(tmp_path: Path, monkeypatch: pytest.Monk
 
     calls = {"n": 0}
 
-    def fake_case(be: Any, case: suites.Case, *a: Any, **k: Any) -> dict[str, Any]:
+    def fake_case(be: Any, case: suites.BenchCase, *a: Any, **k: Any) -> dict[str, Any]:
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
@@ -802,7 +802,7 @@ def test_handwritten_xla_peer_gets_only_present_operands() -> None:
     if not registry.availability("jax").available:
         pytest.skip("jax is not available here")
     be = selection.get(_opencl_target())
-    case = suites.Case("attention", "float32", {"B": 1, "Hq": 2, "Hkv": 1, "Sq": 8, "Sk": 8,
+    case = suites.BenchCase("attention", "float32", {"B": 1, "Hq": 2, "Hkv": 1, "Sq": 8, "Sk": 8,
                                                 "D": 8, "Dv": 8}, {"causal": False})
     host = suites.make_inputs(case)
     assert host["mask"] is None
@@ -817,7 +817,7 @@ def test_attention_memory_counts_the_fused_kernels_workspace(kernel_target: str)
     from portakern.bench.runner import attention_memory
 
     be = selection.get(kernel_target)
-    case = suites.Case("attention", "float32", suites._att(4096), {"causal": False})
+    case = suites.BenchCase("attention", "float32", suites._att(4096), {"causal": False})
     mem = attention_memory(be, case)
     spec = get_op("attention")
     prob = spec.problem(*spec.bind(suites.metadata_inputs(case), {"causal": False}))
@@ -918,7 +918,7 @@ def test_torch_peer_records_threads_and_the_sdpa_kernel() -> None:
     from portakern.bench.peers import applicable
 
     t = timing.TimingConfig(min_time=0.0, min_reps=2, budget_s=10).as_dict()
-    case = suites.Case("attention", "float32", {"B": 1, "Hq": 2, "Hkv": 2, "Sq": 64, "Sk": 64,
+    case = suites.BenchCase("attention", "float32", {"B": 1, "Hq": 2, "Hkv": 2, "Sq": 64, "Sk": 64,
                                                 "D": 16, "Dv": 16}, {"causal": True})
     got = numpy_worker.handle({"case": case.as_dict(), "timing": t, "peer": "torch"})
     m = got["measurement"]
@@ -940,7 +940,7 @@ def test_numpy_softmax_peer_subtracts_the_max_once() -> None:
 
     from portakern.bench import numpy_worker
 
-    case = suites.Case("softmax", "float32", {"rows": 3, "cols": 5})
+    case = suites.BenchCase("softmax", "float32", {"rows": 3, "cols": 5})
     x = suites.make_inputs(case)
     fn = numpy_worker.build(case.as_dict(), x)
     np.testing.assert_allclose(fn(), get_op("softmax").semantics(np, x["x"].astype(np.float64)),

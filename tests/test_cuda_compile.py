@@ -64,7 +64,7 @@ def precompiled(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_compiles_with_nvrtc(case: compile_check.Case, precompiled: None) -> None:
+def test_compiles_with_nvrtc(case: compile_check.CompileCase, precompiled: None) -> None:
     res = compile_check.compile_case(case)
     assert res.status != "skip", res.note
     assert res.ok, f"{case.name} does not compile:\n{res.error}"

@@ -37,7 +37,7 @@ def need_hipcc() -> None:
     pytest.skip(msg)
 
 
-def _ci_cases() -> list[compile_check.Case]:
+def _ci_cases() -> list[compile_check.CompileCase]:
     out = []
     for op in BUILTIN_OPS:
         for dt in DTYPES:
@@ -60,7 +60,7 @@ def precompiled() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_compiles_with_hipcc(case: compile_check.Case, precompiled: None) -> None:
+def test_compiles_with_hipcc(case: compile_check.CompileCase, precompiled: None) -> None:
     res = compile_check.compile_case_hip(case)
     assert res.ok, f"{case.name} does not compile:\n{res.error}"
     assert res.ptx_bytes > 0 and res.kernels, "no code object or no kernel metadata"

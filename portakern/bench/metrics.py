@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def efficiency(peer_s: float | None, ours_s: float | None, *, cap: bool = False) -> float | None:
@@ -125,3 +126,23 @@ def achieved(measured_s: float, flops: float, nbytes: float) -> tuple[float, flo
     if measured_s <= 0:
         raise ValueError(f"measured time must be positive; got {measured_s}.")
     return flops / measured_s / 1e9, nbytes / measured_s / 1e9
+
+
+# --- which physical device a record ran on (report and plots) ------------------------------
+def device_key_of(target: Mapping[str, Any], host: str) -> str:
+    """The physical device a target runs on: all CPU targets of a host are one device."""
+    if target.get("device_key"):
+        return str(target["device_key"])
+    dev = target.get("device") or {}
+    kind = dev.get("kind", "?")
+    return ("cpu" if kind == "cpu" else f"{kind}:{str(dev.get('name', '?')).strip()}") \
+        + f" @ {host}"
+
+
+def attach_devices(result: Mapping[str, Any]) -> None:
+    """Give every case record of a result its ``device_key`` (older files lack it)."""
+    host = (result.get("environment") or {}).get("hostname", "?")
+    keys = {lab: device_key_of(t, host) for lab, t in (result.get("targets") or {}).items()}
+    for rec in result.get("cases", []):
+        if not rec.get("device_key"):
+            rec["device_key"] = keys.get(rec.get("target", ""), f"{rec.get('device')} @ {host}")

@@ -231,10 +231,10 @@ def semantics_peer(case: Any, x: dict[str, np.ndarray | None]) -> tuple[Callable
 
 def handle(req: dict[str, Any]) -> dict[str, Any]:
     from .semantics_peer import has_handwritten_peers
-    from .suites import Case, make_inputs
+    from .suites import BenchCase, make_inputs
     from .timing import TimingConfig, measure, not_run
 
-    case = Case.from_dict(req["case"])
+    case = BenchCase.from_dict(req["case"])
     if req.get("peer") == "torch":
         what = TORCH_WHAT.get(case.op, case.op)
         if case.op not in TORCH_OPS:

@@ -44,7 +44,7 @@ from ..ops import get_op
 from . import semantics_peer
 from .numpy_worker import TORCH_OPS
 from .semantics_peer import has_handwritten_peers
-from .suites import Case, operand_names
+from .suites import BenchCase, operand_names
 from .timing import Measurement, TimingConfig, measure, not_run
 
 PEER_KEYS = ("numpy", "torch", "xla", "clblast", "cublas", "cupy", "cudnn")
@@ -172,7 +172,7 @@ class NumpyWorker:
         return isinstance(theirs, dict) and theirs.get(op) == semantics_peer.identity(
             get_op(op))
 
-    def run(self, case: Case, timing: TimingConfig, peer: str = "numpy") -> Measurement:
+    def run(self, case: BenchCase, timing: TimingConfig, peer: str = "numpy") -> Measurement:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"case": case.as_dict(), "timing": timing.as_dict(),
                                           "peer": peer}) + "\n")
@@ -252,11 +252,11 @@ def cupy_device_for(be: Backend) -> tuple[int | None, str]:
 
 
 # --- in-process peers -------------------------------------------------------------------------
-def _scale(case: Case) -> float:
+def _scale(case: BenchCase) -> float:
     return float(case.params.get("scale") or 1.0 / math.sqrt(case.size["D"]))
 
 
-def _xla_fn(case: Case) -> Callable[..., Any]:
+def _xla_fn(case: BenchCase) -> Callable[..., Any]:
     import jax
     import jax.numpy as jnp
 
@@ -290,7 +290,7 @@ XLA_WHAT = {"matmul": "jax.jit(jnp.matmul, precision=HIGHEST)",
                          "precision=HIGHEST, GQA by reshape)"}
 
 
-def _validated_params(case: Case, host: Mapping[str, np.ndarray | None]) -> dict[str, Any]:
+def _validated_params(case: BenchCase, host: Mapping[str, np.ndarray | None]) -> dict[str, Any]:
     """The case's parameters as the op's validate normalises them (defaults filled)."""
     spec = get_op(case.op)
     prob = spec.problem(*spec.bind([host[n] for n in operand_names(case.op)],
@@ -298,7 +298,7 @@ def _validated_params(case: Case, host: Mapping[str, np.ndarray | None]) -> dict
     return dict(prob.params)
 
 
-def run_numpy_here(case: Case, host: Mapping[str, np.ndarray | None], timing: TimingConfig
+def run_numpy_here(case: BenchCase, host: Mapping[str, np.ndarray | None], timing: TimingConfig
                    ) -> Measurement:
     """The semantics peer on numpy in this process, for an op the numpy process cannot see
     (registered in code). OpenBLAS here runs with this process's environment, so the record
@@ -324,7 +324,7 @@ def run_numpy_here(case: Case, host: Mapping[str, np.ndarray | None], timing: Ti
     return m
 
 
-def run_xla(be: Backend, case: Case, host: Mapping[str, np.ndarray | None],
+def run_xla(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None],
             timing: TimingConfig) -> Measurement:
     semantic = not has_handwritten_peers(case.op)
     what = (semantics_peer.what(get_op(case.op), "jax.numpy", case.dtype)
@@ -351,7 +351,7 @@ def run_xla(be: Backend, case: Case, host: Mapping[str, np.ndarray | None],
     return m
 
 
-def run_clblast(be: Backend, case: Case, native: Mapping[str, Any], timing: TimingConfig
+def run_clblast(be: Backend, case: BenchCase, native: Mapping[str, Any], timing: TimingConfig
                 ) -> Measurement:
     what = "pyclblast.gemm into a preallocated C on the target's queue"
     try:
@@ -394,7 +394,7 @@ def run_clblast(be: Backend, case: Case, native: Mapping[str, Any], timing: Timi
     return m
 
 
-def run_cupy(key: str, be: Backend, case: Case, host: Mapping[str, np.ndarray | None],
+def run_cupy(key: str, be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None],
              native: Mapping[str, Any], timing: TimingConfig) -> Measurement:
     semantic = key == "cupy" and not has_handwritten_peers(case.op)
     what = (semantics_peer.what(get_op(case.op), "cupy", case.dtype) if semantic else
@@ -432,7 +432,7 @@ def run_cupy(key: str, be: Backend, case: Case, host: Mapping[str, np.ndarray | 
     return m
 
 
-def run_cudnn(be: Backend, case: Case, host: Mapping[str, np.ndarray], timing: TimingConfig
+def run_cudnn(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray], timing: TimingConfig
               ) -> Measurement:
     what = ("jax.nn.dot_product_attention(implementation='cudnn') on (B, S, H, D) inputs "
             "(transposed outside the timed region)")
@@ -503,7 +503,7 @@ class Peers:
     def keys(self, op: str, be: Backend) -> list[str]:
         return [k for k in applicable(op, be) if k in self.wanted]
 
-    def run(self, key: str, be: Backend, case: Case, host: Mapping[str, np.ndarray],
+    def run(self, key: str, be: Backend, case: BenchCase, host: Mapping[str, np.ndarray],
             native: Mapping[str, Any], timing: TimingConfig) -> Measurement:
         """Measure one peer; failures become records with the reason, never exceptions."""
         try:

@@ -301,7 +301,7 @@ def plot_fleet(records: Sequence[Mapping[str, Any]], devices: Sequence[str],
 
 def plot_run(result: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
     """Per-op panels (one per device) and the fleet chart of one run."""
-    from .report import attach_devices, device_key_of
+    from .metrics import attach_devices, device_key_of
 
     attach_devices(result)
     env = result.get("environment") or {}

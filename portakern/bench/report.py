@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import metrics
+from .metrics import attach_devices, device_key_of  # noqa: F401  (used and re-exported)
 
 SCHEMA_PREFIX = "portakern-bench/"
 CONTENTION_NOTE = 0.10  # flag cases during which others used more than this share of the CPUs
@@ -124,25 +125,6 @@ def _flops(rec: Mapping[str, Any]) -> float:
 def target_kind(label: str) -> str:
     """'opencl:0' -> 'opencl', 'jax:pallas_0' -> 'jax:pallas', 'cuda:1' -> 'cuda'."""
     return re.sub(r"[:_]?\d+$", "", label) or label
-
-
-def device_key_of(target: Mapping[str, Any], host: str) -> str:
-    """The physical device a target runs on: all CPU targets of a host are one device."""
-    if target.get("device_key"):
-        return str(target["device_key"])
-    dev = target.get("device") or {}
-    kind = dev.get("kind", "?")
-    return ("cpu" if kind == "cpu" else f"{kind}:{str(dev.get('name', '?')).strip()}") \
-        + f" @ {host}"
-
-
-def attach_devices(result: Mapping[str, Any]) -> None:
-    """Give every case record of a result its ``device_key`` (older files lack it)."""
-    host = (result.get("environment") or {}).get("hostname", "?")
-    keys = {lab: device_key_of(t, host) for lab, t in (result.get("targets") or {}).items()}
-    for rec in result.get("cases", []):
-        if not rec.get("device_key"):
-            rec["device_key"] = keys.get(rec.get("target", ""), f"{rec.get('device')} @ {host}")
 
 
 def _roof_frac(rec: Mapping[str, Any]) -> float | None:

@@ -42,7 +42,7 @@ from .interrupt import LATCH
 from .peers import PEER_NAMES, Peers, jax_device_for, missing_promised, peer_name
 from .probes import Roofline, combine, lift, probe_jax, probe_kernel_backend
 from .report import fmt_time
-from .suites import TIMING, Case, make_inputs, metadata_inputs, operand_names, suite_cases
+from .suites import TIMING, BenchCase, make_inputs, metadata_inputs, operand_names, suite_cases
 from .timing import Measurement, TimingConfig, measure, not_run
 
 SCHEMA = "portakern-bench/1"
@@ -177,7 +177,7 @@ def _sync_with(be: Backend, holder: dict[str, Any]) -> Any:
     return sync
 
 
-def measure_ours(be: Backend, case: Case, native: Mapping[str, Any], timing: TimingConfig
+def measure_ours(be: Backend, case: BenchCase, native: Mapping[str, Any], timing: TimingConfig
                  ) -> Measurement:
     spec = get_op(case.op)
     what = (f"portakern.call({case.op!r}) on device-resident inputs: validation, launch, "
@@ -206,7 +206,7 @@ def measure_ours(be: Backend, case: Case, native: Mapping[str, Any], timing: Tim
     return m
 
 
-def measure_unfused(be: Backend, case: Case, host: Mapping[str, np.ndarray],
+def measure_unfused(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray],
                     timing: TimingConfig) -> Measurement:
     """Attention as matmul -> softmax -> matmul through portakern on the same backend."""
     what = ("portakern matmul(q*scale, k^T) -> softmax -> matmul(p, v) on the same backend "
@@ -234,7 +234,7 @@ def measure_unfused(be: Backend, case: Case, host: Mapping[str, np.ndarray],
     return m
 
 
-def attention_memory(be: Backend, case: Case) -> dict[str, Any]:
+def attention_memory(be: Backend, case: BenchCase) -> dict[str, Any]:
     """Extra device memory beyond inputs and output, computed from sizes (not measured)."""
     from .. import dtypes
 
@@ -284,7 +284,7 @@ def attention_memory(be: Backend, case: Case) -> dict[str, Any]:
     return out
 
 
-def make_inputs_meta(case: Case) -> list[Any]:
+def make_inputs_meta(case: BenchCase) -> list[Any]:
     """Shape/dtype stand-ins of a case's operands (see suites.metadata_inputs)."""
     return metadata_inputs(case)
 
@@ -333,7 +333,7 @@ def derive(rec: dict[str, Any], roof: Roofline) -> None:
     rec["supported"] = rec["ours"].get("status") == "ok"
 
 
-def run_case(be: Backend, case: Case, host: Mapping[str, np.ndarray | None], peers: Peers,
+def run_case(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None], peers: Peers,
              cfg: BenchConfig, roof: Roofline, platform: str, progress: Progress
              ) -> dict[str, Any]:
     from .. import dtypes

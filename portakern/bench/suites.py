@@ -55,7 +55,7 @@ def operand_names(op: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Case:
+class BenchCase:
     """One benchmark problem: op, dtype, a size record and the op's parameters."""
 
     op: str
@@ -76,7 +76,7 @@ class Case:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Case:
+    def from_dict(cls, d: dict[str, Any]) -> BenchCase:
         return cls(op=d["op"], dtype=d["dtype"], size=dict(d["size"]),
                    params=dict(d.get("params") or {}), seed=int(d.get("seed", 0)))
 
@@ -126,7 +126,7 @@ def generic_label(op: str, size: dict[str, Any], params: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def shapes(case: Case) -> dict[str, tuple[int, ...]]:
+def shapes(case: BenchCase) -> dict[str, tuple[int, ...]]:
     """Shapes of a case's present operands, in the op's operand order."""
     s = case.size
     if case.op not in BUILTIN_SIZE_OPS:
@@ -143,7 +143,7 @@ def shapes(case: Case) -> dict[str, tuple[int, ...]]:
     raise InvalidArgumentError(f"bench: no input recipe for op {case.op!r}.")  # unreachable
 
 
-def make_inputs(case: Case) -> dict[str, np.ndarray | None]:
+def make_inputs(case: BenchCase) -> dict[str, np.ndarray | None]:
     """Deterministic host inputs of a case, one per operand of the spec in its order: float
     operands standard normal rounded to the storage dtype, bool operands random masks (half
     True), absent optional operands None."""
@@ -288,7 +288,7 @@ def _validate_shapes(spec: KernelSpec, shp: Mapping[str, tuple[int, ...] | None]
     spec.problem(*spec.bind((), {**args, **params}))
 
 
-def metadata_inputs(case: Case) -> list[Any]:
+def metadata_inputs(case: BenchCase) -> list[Any]:
     """The case's operands as shape/dtype stand-ins (None for absent ones), in operand order:
     enough for validation and the cost model, nothing allocated."""
     from ..ops import get_op
@@ -353,7 +353,7 @@ def op_sizes(op: str, suite: str) -> list[tuple[dict[str, Any], dict[str, Any]]]
 
 def suite_cases(suite: str, ops: tuple[str, ...] | None = None,
                 dtype_list: tuple[str, ...] | None = None, limit: int | None = None,
-                skipped: dict[str, str] | None = None) -> list[Case]:
+                skipped: dict[str, str] | None = None) -> list[BenchCase]:
     """The cases of a suite, op by op, dtype by dtype, smallest size first.
 
     An op asked for by name that has no sizes raises. With the default op list (every
@@ -386,5 +386,5 @@ def suite_cases(suite: str, ops: tuple[str, ...] | None = None,
         for dt in dts:
             entries = sizes[:limit] if limit else sizes
             for size, params in entries:
-                cases.append(Case(op, dtypes.info(dt).name, dict(size), dict(params)))
+                cases.append(BenchCase(op, dtypes.info(dt).name, dict(size), dict(params)))
     return cases

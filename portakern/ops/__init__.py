@@ -25,6 +25,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, SpecError
 from ..spec import KernelSpec
+from ..spec_check import check_spec
 from . import attention, matmul, softmax
 
 ENTRY_POINT_GROUP = "portakern.ops"
@@ -73,16 +74,13 @@ OPS: dict[str, KernelSpec] = _Registry(
     {s.name: s for s in (matmul.SPEC, softmax.SPEC, attention.SPEC)})
 
 
-def register_op(spec: KernelSpec, *, replace: bool = False, check: bool = False) -> KernelSpec:
+def register_op(spec: KernelSpec, *, replace: bool = False) -> KernelSpec:
     """Make a spec visible to `portakern.call`, `portakern check`, the tests and the benchmark.
 
-    The spec is checked first (portakern.spec_tools.check_spec): a malformed field raises
-    SpecError naming the spec, the field and the fix. ``check=True`` also compiles the spec's
-    example on every available C-kernel backend and through NVRTC, and traces its semantics
-    with jax (seconds, not milliseconds: use it in tests and when developing an op).
+    The spec is checked first (portakern.spec_check.check_spec): a malformed field raises
+    SpecError naming the spec, the field and the fix. ``portakern.register_op(spec,
+    check=True)`` also compiles the spec's example everywhere (portakern.spec_tools, a tool).
     """
-    from ..spec_tools import check_spec, representative_maker
-
     def refuse_duplicate() -> None:
         current = dict.get(OPS, spec.name)  # a plain read: registering never loads plugins
         if current is not None and not replace and current is not spec:
@@ -92,14 +90,10 @@ def register_op(spec: KernelSpec, *, replace: bool = False, check: bool = False)
 
     if isinstance(spec, KernelSpec):
         refuse_duplicate()  # before the (possibly slow) checks
-    check_spec(spec, compile=check)
+    check_spec(spec)
     with _LOCK:
         refuse_duplicate()
         dict.__setitem__(OPS, spec.name, spec)
-    if spec.example is not None or spec.shapes is not None:
-        from .. import compile_check  # `portakern check --compile-only` renders the example
-
-        compile_check.register_representative(spec.name, representative_maker(spec))
     return spec
 
 

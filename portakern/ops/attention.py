@@ -33,8 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from .. import dtypes
 from ..dtypes import dtype_name
 from ..errors import InvalidArgumentError, ShapeError
+from ..sampling import HEAD_DIMS, Case, Chooser, normal
 from ..spec import (
     MAX_INDEX,
     ArrayMeta,
@@ -47,8 +49,8 @@ from ..spec import (
     Scalar,
     Tunable,
 )
+from . import attention_pallas  # imports jax only when called
 from ._common import broadcast_strides, cdiv, kernel_source, need_rank
-from .attention_pallas import build as pallas_build  # imports jax only when called
 
 LOCAL_BUDGET_BYTES = 32 * 1024  # K/V tiles must fit this; BK is capped to honour it
 
@@ -322,7 +324,7 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
       scale product (u |s_j|), the final division: u (2 max|s| + dist + E + 4)(W_d + |o_d|).
 
     One group per query row (its elements share the row's weights)."""
-    from ..verify import StatModel
+    from ..statmodel import StatModel
 
     d = p.derived
     u = float(np.finfo(p.info.compute).eps) / 2
@@ -353,6 +355,114 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
     return StatModel(np.sqrt(sigma2), slack + floor, (-1,))
 
 
+
+# --- test cases: shapes and values that break kernels and numerics (suite, `check`) ---
+def attention_case(ch: Chooser, dtype: str) -> Case:
+    rng = np.random.default_rng(ch.seed())
+    b = ch.choice((1, 2))
+    hkv = ch.choice((1, 2))
+    hq = hkv * ch.choice((1, 2, 3))
+    sq = ch.choice((1, 2, 15, 16, 17, 31, 33, 64, 65, 100))
+    sk = sq if ch.boolean(0.3) else ch.choice((1, 2, 16, 17, 32, 33, 65, 100))
+    d = ch.choice(HEAD_DIMS)
+    dv = d if ch.boolean(0.7) else ch.choice((16, 40))
+    causal = ch.boolean(0.4)
+    scale = None if ch.boolean(0.6) else ch.choice((0.05, 0.5, 2.0))
+    # numerics: plain N(0, 1) values in a third of the cases; else NaN/+-inf entries, scales
+    # log-uniform over [1e-30, 1e30] or at the overflow edge, magnitudes up to 1e4, or values
+    # near the storage type's range (attention.py: the semantics and the range rule)
+    kind = ch.choice(ATTENTION_VALUES)
+    mag = ch.choice((1e2, 1e4)) if kind == "magnitude" else 1.0
+    shapes = {"q": (b, hq, sq, d), "k": (b, hkv, sk, d), "v": (b, hkv, sk, dv)}
+    x = {n: normal(rng, shp, dtype, mag) for n, shp in shapes.items()}
+    if kind == "range":
+        x = _attention_range_values(ch, rng, shapes, dtype)
+        if dtype != "float16":  # q or k near the limit: q . k overflows unless scaled first
+            scale = ch.choice((1e-3, 1e-6, 1e-12))
+    note = kind
+    if kind == "scale":
+        edge = ch.choice((None, None, 0.5, 0.9, 4.0))
+        if edge is None:
+            scale = float(10.0 ** rng.uniform(-30.0, 30.0))
+        else:  # the largest sum of |scale q_d k_d| at edge x the compute type's max
+            big = float(np.finfo(np.float64 if dtype == "float64" else np.float32).max)
+            kk = np.repeat(np.abs(x["k"].astype(np.float64)), hq // hkv, axis=1)
+            qk = np.matmul(np.abs(x["q"].astype(np.float64)), np.swapaxes(kk, -1, -2))
+            top = float(qk.max()) if qk.size else 0.0
+            scale = min(edge * big / top, 1e300) if top > 0 else 1.0
+            note += f" edge {edge}"
+    if kind == "nonfinite":
+        note += _attention_nonfinite(ch, rng, x)
+    mask = None
+    if causal:
+        note += " causal"
+    if ch.boolean(0.4):
+        mshape = ch.choice(((sq, sk), (b, 1, sq, sk), (1, hq, 1, sk), (b, hq, sq, sk)))
+        mask = rng.random(mshape) < 0.7
+        if ch.boolean(0.5) and len(mshape) >= 2 and mshape[-2] == sq:
+            mask[..., 0, :] = False  # a fully masked row must give 0, whatever v holds
+        if ch.boolean(0.5) and len(mshape) >= 2 and mshape[-2] == sq and sq > 1:
+            mask[..., 1, :] = False  # a row that attends exactly one key
+            mask[..., 1, int(rng.integers(sk))] = True
+        note += " mask" + str(mshape)
+    return Case({"q": x["q"], "k": x["k"], "v": x["v"], "mask": mask},
+                {"causal": causal, "scale": scale}, note.strip())
+
+
+ATTENTION_VALUES = ("plain", "plain", "nonfinite", "nonfinite", "scale", "magnitude", "range")
+_STORAGE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
+                "float32": 3.4028234663852886e38, "float64": 1.7976931348623157e308}
+
+
+def _attention_range_values(ch: Chooser, rng: np.random.Generator,
+                            shapes: dict[str, tuple[int, ...]], dtype: str
+                            ) -> dict[str, np.ndarray]:
+    """Values near the storage type's range. float16: q, k and v up to +-65504 (the scores,
+    computed in float32, stay in range). Wider types: q or k (the other N(0, 1)) up to the
+    type's max, so q . k overflows float32 unless the scale is folded into q first; v up to
+    1e35, so the fused kernels' unnormalised sums over 100 keys stay inside float32."""
+    top = _STORAGE_MAX[dtype]
+    if dtype == "float16":
+        spread = dict.fromkeys(shapes, top / 3)
+    else:
+        big = ch.choice(("q", "k"))
+        spread = {"q": 1.0, "k": 1.0, "v": 1e35 / 3}
+        spread[big] = min(top, 3e38) / 3
+    out = {}
+    for n, shp in shapes.items():
+        y = np.clip(rng.standard_normal(shp) * spread[n], -top, top)
+        y[rng.random(shp) < 0.05] = top  # some entries exactly at the limit
+        out[n] = dtypes.cast_to(y, dtype)
+    return out
+
+
+def _attention_nonfinite(ch: Chooser, rng: np.random.Generator, x: dict[str, np.ndarray]) -> str:
+    """NaN and +-inf entries in q, k and v (in place), and sometimes a q row whose every score
+    is -inf (+inf at q[..., i, d], k[..., :, d] negative): a row with nothing to attend."""
+    notes = []
+    for _ in range(ch.choice((1, 2, 3))):
+        name = ch.choice(("q", "k", "v"))
+        value = ch.choice((np.nan, np.inf, -np.inf))
+        a = x[name]
+        if a.size:
+            a[tuple(int(rng.integers(n)) for n in a.shape)] = value
+            notes.append(f"{name}={value}")
+    q, k = x["q"], x["k"]
+    if ch.boolean(0.3) and q.size and k.size:
+        i, dd = int(rng.integers(q.shape[2])), int(rng.integers(q.shape[3]))
+        q[:, :, i, dd] = np.inf
+        k[:, :, :, dd] = -np.abs(np.where(k[:, :, :, dd] == 0, 1, k[:, :, :, dd]))
+        notes.append(f"row {i} scores -inf")
+    return " " + " ".join(notes)
+
+
+
+def pallas_build(problem: Problem, interpret: bool, **kw: Any) -> Any:
+    """The spec's ``pallas`` field: attention_pallas.build with this op's semantics as the
+    unfused forward its backward differentiates."""
+    kw.setdefault("semantics", semantics)
+    return attention_pallas.build(problem, interpret, **kw)
+
 SPEC = KernelSpec(
     name="attention",
     operands=(Operand("q"), Operand("k"), Operand("v"),
@@ -380,5 +490,6 @@ SPEC = KernelSpec(
                # tile and V tile stay nearer L1 than with RQ=8 (8 KiB of rows)
                "cpu": {"BQ": 1, "BK": 64, "TQ": 4, "RQ": 4, "VEC": 16, "PACK_KV": 1}},
     pallas=pallas_build,
+    cases=attention_case,
     doc="Fused attention with online softmax; GQA, causal and boolean masks.",
 )

@@ -331,12 +331,11 @@ def _bind(fn: Callable[..., Any], **static: Any) -> Callable[..., Any]:
     return bound
 
 
-def _default_reference(causal: bool, scale: float | None) -> Callable[..., Any]:
+def _default_reference(semantics: Callable[..., Any], causal: bool, scale: float | None
+                       ) -> Callable[..., Any]:
     """Unfused semantics in the compute dtype at HIGHEST precision (the backward's forward)."""
     import jax
     import jax.numpy as jnp
-
-    from .attention import semantics
 
     def ref(q: Any, k: Any, v: Any, mask: Any) -> Any:
         acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
@@ -350,7 +349,8 @@ def _default_reference(causal: bool, scale: float | None) -> Callable[..., Any]:
 
 def build(problem: Problem, interpret: bool, *, block_q: int | None = None,
           block_k: int | None = None, platform: str | None = None,
-          reference: Callable[..., Any] | None = None) -> Callable[..., Any]:
+          reference: Callable[..., Any] | None = None,
+          semantics: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """Build ``fn(q, k, v, mask) -> out``: the fused kernel with the unfused VJP.
 
     Only the problem's static parameters (causal, scale) are read; shapes come from the
@@ -369,7 +369,10 @@ def build(problem: Problem, interpret: bool, *, block_q: int | None = None,
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
     overrides = {n: v for n, v in (("block_q", block_q), ("block_k", block_k)) if v is not None}
     blocks = block_config(platform, overrides)
-    ref = reference if reference is not None else _default_reference(causal, scale)
+    if reference is None and semantics is None:
+        raise InvalidArgumentError("attention_pallas.build needs reference= or semantics= "
+                                   "(the op's semantics, for the backward's forward)")
+    ref = reference if reference is not None else _default_reference(semantics, causal, scale)
 
     def local(q: Any, k: Any, v: Any, mask: Any) -> Any:
         return _forward(q, k, v, mask, causal=causal, scale=scale, interpret=interpret,

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShapeError
+from ..sampling import EDGE_SIZES, Case, Chooser, batch_pair, finite_cast
 from ..spec import (
     MAX_INDEX,
     ArrayMeta,
@@ -170,7 +171,7 @@ STAT_CHUNK = 1 << 20  # float64 products materialised at once (8 MiB)
 
 
 def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
-    from ..verify import StatModel
+    from ..statmodel import StatModel
 
     K = p.derived["K"]
     u = float(np.finfo(p.info.compute).eps) / 2
@@ -217,6 +218,65 @@ TUNABLES = (
     Tunable("PACK_B", (0, 1), "copy B into column panels first (USE_LOCAL=0; ignored with 1)"),
 )
 
+
+# --- test cases: shapes and values that break kernels and numerics (suite, `check`) ---
+LONG_K = (4096, 16384)  # reductions long enough to tell fp32 from TF32/bf16 inputs (verify)
+MATMUL_VALUES = ("normal", "normal", "positive", "integer", "offset", "nonfinite")
+
+
+def matmul_values(rng: np.random.Generator, kind: str, shape_a: tuple[int, ...],
+                  shape_b: tuple[int, ...], dtype: str, scale: float = 1.0
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Operands of one value family: normal; positive (uniform [0, 1), no cancellation);
+    integer-valued (exact in every order while partial sums stay below 2^24); offset (a's
+    entries around +-1e4, b's around +-1e4 or 0: a common offset the rounding must not
+    bias); nonfinite (normal with a few NaN / +inf / -inf entries, which must land exactly
+    where the oracle puts them). fp16 keeps its results below its range (65504)."""
+    k = shape_a[-1]
+    if kind == "positive":
+        a, b = rng.random(shape_a) * scale, rng.random(shape_b)
+    elif kind == "integer":
+        hi = 2 if dtype == "float16" else 8
+        a, b = (rng.integers(-hi, hi + 1, s).astype(np.float64) for s in (shape_a, shape_b))
+    elif kind == "offset":
+        off = 1e4 if dtype != "float16" else 64.0 / max(1.0, np.sqrt(k))
+        sign_a = 1.0 if rng.random() < 0.5 else -1.0
+        sign_b = float(rng.choice([1.0, -1.0, 0.0]))
+        a = rng.standard_normal(shape_a) + sign_a * off
+        b = rng.standard_normal(shape_b) + sign_b * off
+    else:
+        a, b = rng.standard_normal(shape_a) * scale, rng.standard_normal(shape_b)
+    if kind == "nonfinite":
+        for x in (a, b):
+            if x.size and rng.random() < 0.7:
+                flat = x.reshape(-1)
+                for _ in range(int(rng.integers(1, 4))):
+                    flat[int(rng.integers(flat.size))] = rng.choice([np.nan, np.inf, -np.inf])
+    return finite_cast(a, dtype), finite_cast(b, dtype)
+
+
+def matmul_case(ch: Chooser, dtype: str) -> Case:
+    rng = np.random.default_rng(ch.seed())
+    shape_kind = ch.choice(("edge", "edge", "edge", "tall", "wide", "deep", "long"))
+    if shape_kind == "tall":
+        m, k, n = ch.choice((257, 1000)), ch.choice((1, 3, 5)), ch.choice((1, 3, 17))
+    elif shape_kind == "wide":
+        m, k, n = ch.choice((1, 3)), ch.choice((5, 17)), ch.choice((513, 1000))
+    elif shape_kind == "deep":
+        m, k, n = ch.choice((2, 9)), ch.choice((700, 2049)), ch.choice((2, 33))
+    elif shape_kind == "long":
+        m, k, n = ch.choice((1, 3, 9)), ch.choice(LONG_K), ch.choice((1, 5, 33))
+    else:
+        m, k, n = ch.choice(EDGE_SIZES), ch.choice(EDGE_SIZES), ch.choice(EDGE_SIZES)
+    ba, bb = batch_pair(ch) if shape_kind != "long" and ch.boolean(0.4) else ((), ())
+    scale = ch.choice((1.0, 1e-3, 30.0)) if dtype != "float16" else ch.choice((1.0, 1e-2, 4.0))
+    if dtype == "float16" and k > 1000:
+        scale = min(scale, 1.0)  # sums of 16384 products stay inside fp16's range
+    values = ch.choice(MATMUL_VALUES)
+    a, b = matmul_values(rng, values, ba + (m, k), bb + (k, n), dtype, scale)
+    return Case({"a": a, "b": b}, {}, f"{shape_kind}, {values}")
+
+
 SPEC = KernelSpec(
     name="matmul",
     operands=(Operand("a"), Operand("b")),
@@ -240,5 +300,6 @@ SPEC = KernelSpec(
     },
     config_check=config_check,
     workspace=workspace,
+    cases=matmul_case,
     doc="Batched matrix product with float32 (float64 for float64) accumulation.",
 )

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..dtypes import dtype_name
 from ..errors import InvalidArgumentError
+from ..sampling import Case, Chooser, normal
 from ..spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
 from ._common import kernel_source, need_rank
 
@@ -115,7 +116,7 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
           slack_i = |y_i| u (2 |x_i - m| + 2 sum_j y_j |x_j - m| + 2 EXP_ERR + 4) + floor.
 
     A row shares S, so its elements form one group (their errors may be correlated)."""
-    from ..verify import StatModel
+    from ..statmodel import StatModel
 
     xv = x["x"]
     ax = p.params["axis"]
@@ -132,6 +133,43 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
         slack = y * u * (2.0 * dist + 2.0 * wdist + 2.0 * EXP_ERR + 4.0)
     floor = p.info.subnormal + 4.0 * float(np.finfo(p.info.compute).tiny)
     return StatModel(sigma, slack + floor, (ax,))
+
+
+
+# --- test cases: shapes and values that break kernels and numerics (suite, `check`) ---
+def softmax_case(ch: Chooser, dtype: str) -> Case:
+    rng = np.random.default_rng(ch.seed())
+    n = ch.choice((1, 2, 15, 16, 17, 255, 256, 257, 1000, 4097))
+    rank = ch.choice((1, 2, 2, 3))
+    others = [ch.choice((1, 2, 3, 7, 16)) for _ in range(rank - 1)]
+    axis_pos = ch.choice(range(rank))
+    shape = others[:axis_pos] + [n] + others[axis_pos:]
+    axis = axis_pos - rank if ch.boolean() else axis_pos
+    kind = ch.choice(("normal", "offset", "wide", "neginf", "posinf", "range"))
+    scale, offset = 1.0, 0.0
+    if kind == "offset":
+        offset = ch.choice((1e4, -1e4, 300.0))
+    elif kind == "wide":
+        scale = ch.choice((10.0, 100.0))
+    elif kind == "range":
+        scale = {"float16": 2e4, "bfloat16": 1e30, "float32": 1e30, "float64": 1e200}[dtype]
+    x = normal(rng, tuple(shape), dtype, scale, offset)
+    if kind == "neginf":
+        x = x.copy()
+        x[rng.random(x.shape) < 0.2] = -np.inf
+        if x.size and ch.boolean():
+            idx = [slice(None)] * rank
+            for d in range(rank):
+                if d != axis_pos:
+                    idx[d] = 0  # type: ignore[call-overload]
+            x[tuple(idx)] = -np.inf  # one fully -inf row -> zeros
+    if kind == "posinf" and x.size:  # +inf in a row makes the row NaN, as in the oracle
+        x = x.copy()
+        x[rng.random(x.shape) < 0.01] = np.inf
+        x.reshape(-1)[int(rng.integers(x.size))] = np.inf
+        if ch.boolean(0.3):
+            x[rng.random(x.shape) < 0.1] = -np.inf
+    return Case({"x": x}, {"axis": axis}, kind)
 
 
 SPEC = KernelSpec(
@@ -154,5 +192,6 @@ SPEC = KernelSpec(
                       "output, scale pass (fp32/fp64 storage; else ignored)")),
     schedules={"gpu": {"WG": 256, "VEC": 1, "UNROLL": 1, "STORE_EXP": 0},
                "cpu": {"WG": 1, "VEC": 16, "UNROLL": 4, "STORE_EXP": 1}},
+    cases=softmax_case,
     doc="Numerically stable softmax along any axis, fused into one kernel.",
 )

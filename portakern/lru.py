@@ -1,0 +1,69 @@
+"""One bounded cache for every cache portakern keeps (core layer): compiled programs, jitted
+functions, plans. A store beyond the bound drops the least recently used entry."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+
+class LRUCache:
+    """A dict-like cache of at most ``maxsize`` entries; ``get`` marks an entry recently used
+    and a store beyond the bound evicts the least recently used one (``on_evict`` is then
+    called, e.g. to drop what referenced it). Not thread-safe by itself: writers hold the
+    owner's lock; a concurrent reader may at worst miss and rebuild."""
+
+    def __init__(self, maxsize: int, on_evict: Any = None) -> None:
+        self.maxsize = int(maxsize)
+        self._data: OrderedDict = OrderedDict()
+        self._on_evict = on_evict
+        self.evictions = 0
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        data = self._data
+        try:
+            value = data[key]
+        except KeyError:
+            return default
+        try:
+            data.move_to_end(key)
+        except KeyError:  # evicted by another thread meanwhile
+            pass
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        data = self._data
+        data[key] = value
+        data.move_to_end(key)
+        while len(data) > self.maxsize:
+            data.popitem(last=False)
+            self.evictions += 1
+            if self._on_evict is not None:
+                self._on_evict()
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._data[key]
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __iter__(self) -> Any:
+        return iter(list(self._data))
+
+    def keys(self) -> Any:
+        return list(self._data.keys())
+
+    def values(self) -> Any:
+        return list(self._data.values())
+
+    def items(self) -> Any:
+        return list(self._data.items())
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        return self._data.pop(key, *default)
+
+    def clear(self) -> None:
+        self._data.clear()
