@@ -325,14 +325,14 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                      * skips them; a NaN m takes the reduction). The lanes' test is ORed in
                      * halves: PoCL's any() is a chain of per-lane-pair tests and branches */
                     const PK_ACC_T mo = m[t0 + t];
-                    const PK_CAT(int, VEC) up = bmv > (vt)(mo);
-#if VEC == 16
+#if VEC == 16 && PK_ACC_IS_FLOAT_T
+                    const int16 up = bmv > (vt)(mo); /* a double compare gives long lanes */
                     const int8 u8 = up.lo | up.hi;
                     const int4 u4 = u8.lo | u8.hi;
                     const int2 u2 = u4.lo | u4.hi;
                     const int moved = u2.x | u2.y;
 #else
-                    const int moved = any(up);
+                    const int moved = any(bmv > (vt)(mo));
 #endif
                     mn = (moved || mo != mo) ? fmax(at_lane_max(bmv), mo) : mo;
                 } else {
