@@ -269,7 +269,7 @@ def test_no_pickle_or_eval_in_cache_or_tuner() -> None:
     banned = {"pickle", "cPickle", "marshal", "shelve", "dill", "eval", "exec", "__import__",
               "literal_eval", "yaml"}
     pkg = Path(cache.__file__).parent
-    for name in ("cache.py", "tune.py"):
+    for name in ("cache.py", "tune.py", "tuned.py"):  # tuned.py: the tuning database's reader
         tree = ast.parse((pkg / name).read_text())
         used = set()
         for node in ast.walk(tree):
@@ -283,7 +283,8 @@ def test_no_pickle_or_eval_in_cache_or_tuner() -> None:
                 used.add((node.module or "").split(".")[0])
                 used.update(a.name for a in node.names)
         assert not used & banned, f"{name} uses {sorted(used & banned)}"
-        assert "json" in used
+        if name != "tune.py":  # the readers parse JSON; the tuner stores through them
+            assert "json" in used
 
 
 # --- issue 19: the store is portakern's alone ------------------------------------------------
