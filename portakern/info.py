@@ -30,8 +30,8 @@ def to_backend(x: Any, backend: str | Backend) -> Any:
     arr = _checked(x, be)
     hook = getattr(be, "from_foreign", None)
     try:
-        if hook is not None and not isinstance(x, np.ndarray):
-            got = hook(x)
+        if hook is not None:  # numpy goes in validated (arr); others as they are
+            got = hook(arr if isinstance(x, np.ndarray) else x)
             if got is not None:
                 return got
         return be.to_native(arr)
