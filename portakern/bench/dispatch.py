@@ -288,7 +288,7 @@ def measure_entry(be: KernelBackend, entry: Entry, cfg: DispatchConfig, *,
                   "slower than the host at this tiny kernel, the queue sets the pace and part "
                   "of the host overhead is hidden (raw per call is then the device's rate)"}
     kernels = [{"kernel": la.kernel, "groups": list(la.groups), "local": list(la.local)}
-               for _, la, _ in plan]
+               for _, la, _ in plan.launches]
     rec["info"] = {"kernels": kernels, "raw_max_abs_error": err, "backend_from_inputs": auto}
     if not ok:  # then "raw" did not time the op's kernel
         rec["status"] = "error"
