@@ -329,8 +329,10 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                     const int16 up = bmv > (vt)(mo); /* a double compare gives long lanes */
                     const int8 u8 = up.lo | up.hi;
                     const int4 u4 = u8.lo | u8.hi;
-                    const int2 u2 = u4.lo | u4.hi;
-                    const int moved = u2.x | u2.y;
+                    /* the last pair through any(): u2.x | u2.y, as Oclgrind compiles it,
+                     * reads a lane no compare wrote ("control flow depends on an uninitialised
+                     * value", though every lane of up is written: tests/test_simulator.py) */
+                    const int moved = any(u4.lo | u4.hi);
 #else
                     const int moved = any(bmv > (vt)(mo));
 #endif
