@@ -194,6 +194,12 @@ class KernelSpec:
     # Buf(name). C-kernel backends allocate it per call; array backends never see it.
     workspace: Callable[[Problem, Mapping[str, int]], Mapping[str, tuple[int, str]]] | None = None
     doc: str = ""
+    # A +inf tolerance bound marks an element the op leaves unspecified (judged by neither
+    # check) where the oracle is finite. True: also where the oracle is NaN or infinite, for an
+    # op whose tolerance gives +inf only by a range rule (attention: IEEE arithmetic in the
+    # compute type decides, e.g. FMA turning a score's inf - inf (NaN) into -inf). False: a
+    # NaN/inf there must match exactly whatever the bound (an inf operand can make it +inf).
+    unspecified_nonfinite: bool = False
     # --- optional, for user-defined ops (docs/add-a-kernel.md); checked by register_op ------
     # example(dtype) -> ({operand: array or ArrayMeta(shape, dtype)}, {param: value}): a typical
     # call, rendered by `portakern show`, compiled by register_op(check=True) and by

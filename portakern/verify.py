@@ -7,7 +7,9 @@ Two checks per result:
 * **worst-case** (the guarantee): every element within the op's derived bound
   (``spec.tolerance``): ``|got - ref| <= bound``, elementwise. NaN and +-inf must sit exactly
   where the oracle has them (NaN for NaN, the same infinity for an infinity); a non-finite
-  value anywhere else fails.
+  value anywhere else fails. A bound of +inf marks an element the op leaves unspecified
+  (judged by neither check) where the oracle is finite, and also where it is not when the
+  spec sets ``unspecified_nonfinite`` (attention's range rule).
 * **statistical** (tracks the real error): the op's probabilistic rounding-error model
   (``statistical(p, inputs64, ref)`` in the op's module, Higham & Mary 2019) splits each
   element's error into a deterministic part bounded by ``slack`` and a random part that is
@@ -150,8 +152,9 @@ def compare_arrays(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[
         err = np.where(np.isnan(err), np.inf, err)
         # a bound of +inf where the oracle is finite: an element the op leaves unspecified
         # (attention's range rule: IEEE in the compute type decides), judged by neither check.
-        # Where the oracle is NaN or infinite, got must match it exactly whatever the bound.
-        unspecified = np.isposinf(bound) & np.isfinite(ref)
+        # Where the oracle is NaN or infinite, got must match it exactly whatever the bound,
+        # unless the spec says its +inf bounds come only from such a rule (unspecified_nonfinite).
+        unspecified = np.isposinf(bound) & (np.isfinite(ref) | spec.unspecified_nonfinite)
         err = np.where(unspecified, 0.0, err)
         # a bound that is NaN (an operand's inf times 0) claims nothing: only exact matches pass
         bound = np.nan_to_num(bound, nan=0.0, posinf=np.inf)

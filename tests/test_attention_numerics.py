@@ -234,6 +234,41 @@ def test_tolerance_on_nonfinite_inputs() -> None:
     assert np.isinf(bound[0, 0, 2]).all() and np.isfinite(bound[0, 0, [0, 1, 3]]).all()
 
 
+def case_inf_minus_inf_score() -> Case:
+    """float64, the generator's "range" family (q ~1e38, k entries at the type's max, scale
+    1e-3): the one key's score terms are -inf, +inf, +inf. Without FMA the dot is NaN (the
+    oracle); with FMA (the C kernels) -inf + exact(a*b) stays -inf, the row is dead: 0."""
+    top = float(np.finfo(np.float64).max)
+    q = np.array([-7.28962977e37, 8.25803652e37, 1.49898664e38]).reshape(1, 1, 1, 3)
+    k = np.full((1, 1, 1, 3), top)
+    v = np.ones((1, 1, 1, 4))
+    return _case(q, k, v, scale=1e-3)
+
+
+def test_range_rule_row_unjudged_even_where_the_oracle_is_nan(target: str) -> None:
+    """The range rule leaves such a row to IEEE arithmetic (NaN, +-inf or a value: README);
+    the bound is +inf there and the comparison judges it by neither check, NaN oracle
+    included (spec.unspecified_nonfinite), on every target."""
+    case = case_inf_minus_inf_score()
+    ref = _oracle(case)  # NaN or 0: the oracle's BLAS may fuse too
+    nan_oracle = SPEC.replace(semantics=lambda xp, *a, **k: np.full(ref.shape, np.nan))
+    for spec in (SPEC, nan_oracle):
+        for got in (ref, np.zeros_like(ref), np.full_like(ref, np.nan)):
+            assert compare(spec, case, got).ok
+    if "float64" not in selection.get(target).supported_dtypes():
+        return
+    _run(target, case)
+    # a NaN oracle outside the range rule is still compared exactly (NaN must propagate)
+    q, k, v = case.arrays["q"].copy(), case.arrays["k"].copy(), case.arrays["v"]
+    q[...] = 1.0
+    k[..., 0] = np.inf
+    k[..., 1] = -np.inf
+    inside = _case(q, k, v, scale=1e-3)
+    assert np.isnan(_oracle(inside)).all()
+    assert not compare(SPEC, inside, np.zeros_like(_oracle(inside))).ok
+    _run(target, inside)
+
+
 def test_generator_draws_every_numerics_family() -> None:
     """The attention generator (the suite, `portakern check`) reaches every family of
     issue 14: NaN and +-inf in q, k and v, scales over [1e-30, 1e30] and at the overflow
