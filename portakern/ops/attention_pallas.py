@@ -105,8 +105,9 @@ def _kernel(*refs: Any, has_mask: bool, causal: bool, scale: float, block_q: int
         m_ref = None
     qi = pl.program_id(1)
     hi = lax.Precision.HIGHEST
-    # the scale folded into q once, as every implementation does (attention.semantics)
-    q = q_ref[...].astype(acc_dtype) * scale  # (block_q, Dp), resident for the whole loop
+    # the scale folded into q, as every implementation does (attention.semantics); inside the
+    # loop body: at the kernel's top level, jax 0.10's interpreter under shard_map refuses a
+    # product of the varying q block with the constant scale ("varying manual axes")
     dvp = o_ref.shape[-1]
     neg_inf = jnp.array(-jnp.inf, acc_dtype)
 
@@ -115,6 +116,7 @@ def _kernel(*refs: Any, has_mask: bool, causal: bool, scale: float, block_q: int
         start = pl.multiple_of(j * block_k, block_k)
         kb = k_ref[pl.ds(start, block_k), :].astype(acc_dtype)
         vb = v_ref[pl.ds(start, block_k), :].astype(acc_dtype)
+        q = q_ref[...].astype(acc_dtype) * scale  # (block_q, Dp)
         s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=hi,
                             preferred_element_type=acc_dtype)
         # a key whose v row holds NaN/inf scores NaN (rows that attend it are NaN); its v
