@@ -451,6 +451,17 @@ class _Table:
         return f"{c.op:10s} {c.dtype:9s} {c.schedule:8s} {c.problem:18s}{cells}"
 
 
+
+def _printer(table: _Table) -> Callable[[CompileResult], None]:
+    """The per-result progress callback both compile-only checks print their table with."""
+
+    def progress(r: CompileResult) -> None:
+        line = table.add(r)
+        if line is not None:
+            print(line, flush=True)
+
+    return progress
+
 def main(args: argparse.Namespace) -> int:
     """``portakern check --backend cuda --compile-only``: print the table; non-zero on failure."""
     from .backends import compile_only
@@ -489,12 +500,7 @@ def _nvrtc_main(args: argparse.Namespace) -> int:
           f"{' '.join(opts)}")
     table = _Table(archs)
     print(table.header())
-
-    def progress(r: CompileResult) -> None:
-        line = table.add(r)
-        if line is not None:
-            print(line, flush=True)
-
+    progress = _printer(table)
     t0 = time.perf_counter()
     try:
         results = compile_all(archs, ops, dts, progress, opts)
@@ -649,12 +655,7 @@ def hip_main(args: argparse.Namespace) -> int:
         print(f"target {a} not accepted{' (REQUIRED)' if a in required else ''}: {why}")
     table = _Table(accepted, label=lambda a: a)
     print(table.header())
-
-    def progress(r: CompileResult) -> None:
-        line = table.add(r)
-        if line is not None:
-            print(line, flush=True)
-
+    progress = _printer(table)
     t0 = time.perf_counter()
     results = compile_cases_hip(hip_cases(accepted, ops, dts), progress)
     wall = time.perf_counter() - t0
