@@ -206,10 +206,11 @@ def test_jit_cache_reused_across_calls() -> None:
     rng = np.random.default_rng(2)
     x = jnp.asarray(rand(rng, (3, 8)))
     pk.softmax(x, backend=be)
-    n = len(be._fns)
+    before = set(be._fns.keys())
     pk.softmax(x * 2, backend=be)
     pk.softmax(jnp.asarray(rand(rng, (5, 8))), backend=be)  # new shape: jit retraces, same fn
-    assert len(be._fns) == n
+    # no new function (the executable bound may evict old ones, so not "same count")
+    assert set(be._fns.keys()) <= before
 
 
 @pytest.mark.parametrize("jtarget", TARGETS)
