@@ -188,7 +188,7 @@ class KernelSpec:
     tunables: tuple[Tunable, ...] = ()
     schedules: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # 'cpu' / 'gpu'
     config_check: Callable[[Problem | None, Mapping[str, int]], str | None] | None = None
-    pallas: Any = None  # optional: builds a Pallas kernel (see backends/jax.py)
+    pallas: Any = None  # optional: builds a Pallas kernel (see portakern/backends/jax.py)
     # optional: workspace(problem, cfg) -> {buffer name: (elements, dtype name)}: device
     # scratch the launches use (e.g. a packed copy of an operand), named in Launch args as
     # Buf(name). C-kernel backends allocate it per call; array backends never see it.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import re
 import types
 
@@ -20,11 +19,9 @@ import pytest
 
 import portakern as pk
 from portakern import codegen, compile_check
+from portakern.backends import cuda as cuda_backend
 from portakern.errors import CompileError
 from portakern.ops import OPS, get_op
-
-# backends/ is installed as portakern.backends (ruff cannot see that mapping, hence importlib)
-cuda_backend = importlib.import_module("portakern.backends.cuda")
 
 NVRTC_REASON = "NVRTC (cupy_backends, from pip install 'portakern[cuda]') is not importable"
 BUILTIN_OPS = ("matmul", "softmax", "attention")
