@@ -31,6 +31,12 @@ class LRUCache:
             pass
         return value
 
+    def lookup(self, key: Any) -> Any:
+        """``get`` without marking the entry recently used: one dict lookup, for the
+        per-call dispatch path (~0.2 µs less). An entry found only this way ages as if unused
+        and may be evicted first: then it is made again at its next call."""
+        return self._data.get(key)
+
     def __setitem__(self, key: Any, value: Any) -> None:
         data = self._data
         data[key] = value

@@ -25,6 +25,8 @@ ENV_VAR = "PORTAKERN_BACKEND"
 _SELECTOR = re.compile(r"^([a-z][a-z0-9_]*)(?::([A-Za-z0-9_]+))?$")
 _current: contextvars.ContextVar[str | Backend | None] = contextvars.ContextVar(
     "portakern_backend", default=None)
+# the ``use`` choice of this thread/task, read on every call's path (plan keys include it)
+current_choice = _current.get
 _instances: dict[tuple[str, str | None], Backend] = {}
 _lock = threading.Lock()
 

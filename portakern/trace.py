@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, tuned
 from .errors import BackendUnavailable, InvalidArgumentError
 from .ops import get_op
 
@@ -154,7 +154,7 @@ def trace(op: Any, shapes: Mapping[str, Sequence[int]], dtype: str = "float32",
     prob = spec.problem(bound, bound_params)
     overrides = dict(spec.config(schedule)) if schedule else {}
     overrides.update(config or {})
-    cfg = be.config_for(spec, prob, overrides or None)
+    cfg = tuned.config_for(be, spec, prob, overrides or None)
     be.launch_counts.clear()
     call(spec, backend=be, config=overrides or None, **ins, **(params or {}))
     launches = []

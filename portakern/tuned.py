@@ -26,10 +26,11 @@ import numpy as np
 from . import codegen, dtypes, settings
 from .cache import CacheWarning, Store
 from .errors import InvalidArgumentError, PortakernError
+from .lru import LRUCache
 from .spec import KernelSpec, Problem
 
 if TYPE_CHECKING:
-    from .backends.base import Backend, DeviceInfo, KernelBackend
+    from .backends.base import Backend, DeviceInfo
 
 ENV_TUNING = "PORTAKERN_TUNING"
 NAMESPACE = "tuning"
@@ -247,7 +248,7 @@ def _distance(a: Bucket, b: Bucket) -> int | None:
     return sum(abs(x - y) for (_, x), (_, y) in zip(a[1], b[1], strict=True))
 
 
-def lookup(backend: KernelBackend, spec: KernelSpec, prob: Problem) -> dict[str, int] | None:
+def lookup(backend: Any, spec: KernelSpec, prob: Problem) -> dict[str, int] | None:
     """The validated tuned configuration for this device, kernel and problem, or None.
 
     Exact bucket first, then (unless PORTAKERN_TUNING=exact) the nearest tuned bucket of the
@@ -294,6 +295,30 @@ def lookup(backend: KernelBackend, spec: KernelSpec, prob: Problem) -> dict[str,
 
 
 # --- listing ------------------------------------------------------------------------------
+_CONFIGS: LRUCache = LRUCache(4096)  # (backend, spec token, generation, bucket) -> config
+
+
+def config_for(backend: Backend, spec: KernelSpec, prob: Problem,
+               overrides: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The kernel configuration a C-kernel call runs with, chosen above the backends (the
+    Plan layer calls this when it compiles a plan; the benchmark, the tracer and the tests
+    ask the same question here): the caller's ``overrides`` (checked against the tunables'
+    domains), else this device's tuned entry for the problem's bucket (``lookup``; never for
+    a backend whose ``uses_tuned_configs`` is False, e.g. the simulator), else the spec's
+    schedule for the device class. Tuned lookups are memoised per (backend, spec, tuning
+    generation, bucket) in one bounded cache."""
+    if overrides:
+        return spec.config(backend.device_class, overrides, prob)
+    key = (backend, spec.token) + cache_token(prob)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        found = lookup(backend, spec, prob) if backend.uses_tuned_configs else None
+        cfg = found or spec.config(backend.device_class, None, prob)
+        with _LOCK:
+            _CONFIGS[key] = cfg
+    return dict(cfg)
+
+
 def _current_hash(op: str) -> str | None:
     from .ops import OPS
 

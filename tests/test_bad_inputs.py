@@ -344,7 +344,7 @@ def test_repeated_positional_calls_compute_on_each_calls_operands(kernel_target:
     for i, o in enumerate(outs):
         want = hosts[i % 3].astype(np.float64) @ bs[i % 3]
         np.testing.assert_allclose(be.to_numpy(o), want, rtol=1e-5, atol=1e-5)
-    key = pkplan.plan_key(be, get_op("matmul"), devs[0], {}, None)
+    key = pkplan.plan_key(get_op("matmul"), devs[0], {}, be)
     assert key in pkplan.PLANS, "the repeated positional call was not planned once"
 
 
@@ -377,7 +377,7 @@ def test_call_site_fast_path_follows_a_new_tuning_generation(kernel_target: str)
     a, b = be.to_native(A), be.to_native(B)
     for _ in range(2):
         pk.call("matmul", a, b, backend=be)
-    assert pkplan.plan_key(be, get_op("matmul"), (a, b), {}, None) in pkplan.PLANS
+    assert pkplan.plan_key(get_op("matmul"), (a, b), {}, be) in pkplan.PLANS
     planned: list[Any] = []
     real_plan = be.build_launches
 

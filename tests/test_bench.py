@@ -813,7 +813,7 @@ def test_handwritten_xla_peer_gets_only_present_operands() -> None:
 def test_attention_memory_counts_the_fused_kernels_workspace(kernel_target: str) -> None:
     """The fused kernel's extra memory is what its spec's workspace allocates per call (PACK_KV
     copies of K and V on the CPU schedule), not a hard-coded 0; the issue's bound is 64 MiB."""
-    from portakern import selection
+    from portakern import selection, tuned
     from portakern.bench.runner import attention_memory
 
     be = selection.get(kernel_target)
@@ -821,7 +821,7 @@ def test_attention_memory_counts_the_fused_kernels_workspace(kernel_target: str)
     mem = attention_memory(be, case)
     spec = get_op("attention")
     prob = spec.problem(*spec.bind(suites.metadata_inputs(case), {"causal": False}))
-    ws = spec.workspace(prob, be.config_for(spec, prob, None))
+    ws = spec.workspace(prob, tuned.config_for(be, spec, prob, None))
     expected = sum(n * np.dtype(dt).itemsize for n, dt in ws.values())
     assert mem["fused"]["extra_bytes"] == expected
     if be.device_class == "cpu":  # PACK_KV: K^T and V, 8 heads x 4096 keys x 64 x 4 B each

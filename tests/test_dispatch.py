@@ -10,6 +10,7 @@ import portakern as pk
 from portakern import plan as pkplan
 from portakern import selection, tuned
 from portakern.backends.base import KernelBackend
+from portakern.errors import AliasingError, ContextMismatchError
 from portakern.ops import get_op
 
 f32 = np.float32
@@ -55,11 +56,12 @@ def test_out_and_automatic_selection_share_the_plan_path() -> None:
     a, b = be.to_native(A), be.to_native(B)
     out = be.empty((4, 3), "float32")
     assert pk.matmul(a, b, out=out) is out  # no backend=: the inputs pick opencl
+    assert pkplan.plan_key(get_op("matmul"), (a, b), {}) in pkplan.PLANS
     with pk.use(be):
         assert pk.call("matmul", a, b, out=out) is out
+        assert pkplan.plan_key(get_op("matmul"), (a, b), {}) in pkplan.PLANS
     np.testing.assert_allclose(be.to_numpy(out), A.astype(np.float64) @ B, rtol=1e-5,
                                atol=1e-5)
-    assert pkplan.plan_key(be, get_op("matmul"), (a, b), {}, None) in pkplan.PLANS
 
 
 def test_a_multi_kernel_plan_is_a_list_of_launches_with_workspace() -> None:
@@ -86,3 +88,82 @@ def test_a_new_tuning_generation_is_a_new_plan() -> None:
     tuned.invalidate()
     new = pkplan.plan_for(get_op("softmax"), (x,), {"axis": -1})
     assert new is not old and new.generation == tuned.GENERATION
+
+
+# --- the planned runner checks every call ---------------------------------------------------
+def _cl_array_on(be: KernelBackend, shape: tuple[int, ...], nbytes: int,
+                 flags: str = "READ_WRITE", data: object = None) -> object:
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    buf = data if data is not None else cl.Buffer(be.ctx, getattr(cl.mem_flags, flags), nbytes)
+    return cla.Array(be.queue, shape, f32, data=buf)
+
+
+RUNNER_CASES = {  # op -> (host operands, keywords, output shape)
+    "softmax": ((X,), {}, (4, 8)),
+    "matmul": ((A, B), {}, (4, 3)),
+    "attention": ((Q, Q, Q), {"causal": True}, Q.shape),
+}
+
+
+def _warm_runner(be: KernelBackend, op: str) -> tuple[list, dict, object]:
+    """Device operands and a good out= whose calls have run: the plan's runner exists."""
+    hosts, kw, shape = RUNNER_CASES[op]
+    devs = [be.to_native(h.copy()) for h in hosts]
+    good = be.empty(shape, "float32")
+    for _ in range(2):
+        pk.call(op, *devs, **kw, out=good)
+        pk.call(op, *devs, **kw)
+    plan = pkplan.PLANS.lookup(pkplan.plan_key(get_op(op), devs, kw))
+    assert plan is not None and plan.runner is not None, f"{op}: no runner was made"
+    return devs, kw, good
+
+
+@pytest.mark.parametrize("op", sorted(RUNNER_CASES))
+@pytest.mark.parametrize("bad", ["out is an input", "out shares an input's buffer",
+                                 "read-only out", "out of another shape, same strides",
+                                 "out of another dtype", "input of another context",
+                                 "input on a short buffer"])
+def test_the_planned_runner_still_checks_every_call(op: str, bad: str) -> None:
+    """After valid calls made the plan's runner (portakern.plan._runner), each per-call check
+    it replaces must still refuse a bad call by name: removing any of them from the runner
+    fails this test."""
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    be = _kernel_backend()
+    devs, kw, good = _warm_runner(be, op)
+    shape = good.shape
+    nbytes = int(np.prod(shape)) * 4
+    args, out, err, needle = list(devs), None, pk.InvalidArgumentError, ""
+    if bad == "out is an input":
+        out, err, needle = devs[0] if devs[0].shape == shape else devs[-1], AliasingError, \
+            "overlaps"
+        if out.shape != shape:
+            pytest.skip(f"{op}: no operand has the output's shape")
+    elif bad == "out shares an input's buffer":
+        src = next((d for d in devs if d.nbytes >= nbytes), None)
+        if src is None:
+            pytest.skip(f"{op}: no operand is as large as the output")
+        out, err, needle = _cl_array_on(be, shape, 0, data=src.base_data), AliasingError, \
+            "overlaps"
+    elif bad == "read-only out":
+        out, needle = _cl_array_on(be, shape, nbytes, "READ_ONLY"), "READ_ONLY"
+    elif bad == "out of another shape, same strides":
+        longer = (shape[0] + 1, *shape[1:])
+        out, err = _cl_array_on(be, longer, nbytes * 2), pk.ShapeError
+    elif bad == "out of another dtype":
+        out, err = be.empty(shape, "int32"), pk.DTypeError  # same itemsize: same strides
+    elif bad == "input of another context":
+        ctx = cl.Context(devices=be.ctx.devices)
+        args[0] = cla.to_device(cl.CommandQueue(ctx), np.ascontiguousarray(devs[0].get()))
+        err, needle = ContextMismatchError, "context"
+    elif bad == "input on a short buffer":
+        args[0] = _cl_array_on(be, devs[0].shape, 16)
+        needle = "holds 16"
+    with pytest.raises(err) as info:
+        pk.call(op, *args, **kw, out=out)
+    assert needle in str(info.value), str(info.value)
+    got = pk.call(op, *devs, **kw, out=good)  # the runner still serves good calls
+    assert got is good

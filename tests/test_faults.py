@@ -121,7 +121,7 @@ def _cuda_without_gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
                            extra={"compute_capability": "8.0"})
     be._cp_device = contextlib.nullcontext()
     be._options = cuda.compile_options()
-    be._modules, be._kernels, be._configs = {}, {}, {}
+    be._modules, be._kernels = {}, {}
     yield be
 
 

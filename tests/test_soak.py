@@ -165,7 +165,7 @@ def instrument(be: Backend, allocs: Allocations) -> None:
 
 def cache_sizes(be: Backend) -> dict[str, int]:
     out = {}
-    for name in ("_kernels", "_configs", "_fns", "_modules"):
+    for name in ("_kernels", "_fns", "_modules"):
         got = getattr(be, name, None)
         if isinstance(got, dict) or hasattr(got, "maxsize"):  # dicts and LRU caches
             out[name] = len(got)

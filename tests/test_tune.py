@@ -23,7 +23,7 @@ import pytest
 
 import portakern as pk
 from portakern import backends as registry
-from portakern import cache, cases, codegen, tune
+from portakern import cache, cases, codegen, tune, tuned
 from portakern.cli import main as cli_main
 from portakern.errors import InvalidArgumentError
 from portakern.ops import get_op
@@ -119,7 +119,7 @@ def test_tuned_configuration_is_stored_used_and_correct(db: Path, be: Any) -> No
     # ops now use the tuned schedule, validated, for the tuned bucket and (nearest) others
     fresh = _opencl()("0")
     prob = _prob(MATMUL, M=48, N=40, K=33)
-    assert fresh.config_for(MATMUL, prob, None) == res.best.config
+    assert tuned.config_for(fresh, MATMUL, prob, None) == res.best.config
     assert tune.lookup(fresh, MATMUL, _prob(MATMUL, M=7, N=300, K=9)) == res.best.config
     # ... and give oracle-correct results, as does the default, on random edge cases
     _check_cases(MATMUL, fresh, None, seed=5, n=5)
@@ -186,7 +186,7 @@ def test_stale_entry_is_ignored(db: Path, be: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", TuningWarning)  # stale is normal: ignored silently
         assert tune.lookup(be, changed, prob) is None
-        assert be.config_for(changed, prob, None) == changed.config(be.device_class, None, prob)
+        assert tuned.config_for(be, changed, prob, None) == changed.config(be.device_class, None, prob)
     # an entry recorded for another kernel source is listed as stale
     other = _entry(be, MATMUL, prob, cfg)
     other["source_hash"] = "0123456789abcdef"
@@ -216,7 +216,7 @@ def test_malicious_entry_with_a_valid_hash_is_rejected(db: Path, be: Any, value:
     assert st.put(tune.entry_key("matmul", payload["bucket"], payload["source_hash"]), payload)
     tune.invalidate()
     with pytest.warns(TuningWarning, match="rejects it"):
-        cfg = be.config_for(MATMUL, prob, None)
+        cfg = tuned.config_for(be, MATMUL, prob, None)
     assert cfg == MATMUL.config(be.device_class, None, prob)
     src = be.render(MATMUL, prob, cfg)
     assert "-DX" not in src and "1;}" not in src
@@ -245,7 +245,7 @@ def test_malformed_entries_warn_and_fall_back(db: Path, be: Any, damage: str) ->
     tune.store_for(tune.device_key(tune.fingerprint(be))).put(key, payload)
     tune.invalidate()
     with pytest.warns(TuningWarning, match="ignored entry"):
-        assert be.config_for(MATMUL, prob, None) == MATMUL.config(be.device_class, None, prob)
+        assert tuned.config_for(be, MATMUL, prob, None) == MATMUL.config(be.device_class, None, prob)
     if damage in ("bad_key_name", "config_not_dict", "bucket_mismatch", "schema"):
         with pytest.raises(InvalidArgumentError, match="malformed"):
             tune.save_entry(payload)  # and the tuner itself refuses to write such a record
@@ -259,10 +259,10 @@ def test_corrupted_database_file_warns_and_is_rebuilt(db: Path, be: Any) -> None
     path.write_bytes(path.read_bytes()[:-40])  # truncated mid-write by a crash, say
     tune.invalidate()
     with pytest.warns(cache.CacheWarning, match="discarded"):
-        assert be.config_for(MATMUL, prob, None) == MATMUL.config(be.device_class, None, prob)
+        assert tuned.config_for(be, MATMUL, prob, None) == MATMUL.config(be.device_class, None, prob)
     assert not path.exists()
     assert tune.save_entry(_entry(be, MATMUL, prob, cfg)) == path  # rebuilt by the next tune
-    assert _opencl()("0").config_for(MATMUL, prob, None) == cfg
+    assert tuned.config_for(_opencl()("0"), MATMUL, prob, None) == cfg
 
 
 def test_unusable_cache_directory_still_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -301,7 +301,7 @@ def test_env_switch_and_exact_mode(db: Path, be: Any, monkeypatch: pytest.Monkey
     assert tune.lookup(be, MATMUL, far) is None
     monkeypatch.setenv("PORTAKERN_TUNING", "0")
     assert tune.lookup(be, MATMUL, prob) is None
-    assert _opencl()("0").config_for(MATMUL, prob, None) == MATMUL.config(be.device_class, None,
+    assert tuned.config_for(_opencl()("0"), MATMUL, prob, None) == MATMUL.config(be.device_class, None,
                                                                           prob)
 
 
@@ -319,7 +319,7 @@ def test_no_disk_access_after_the_first_lookup(db: Path, be: Any,
     prob = _prob(MATMUL)
     cfg = _non_default(be, MATMUL, prob)
     tune.save_entry(_entry(be, MATMUL, prob, cfg))
-    assert be.config_for(MATMUL, prob, None) == cfg  # reads the device's entries once
+    assert tuned.config_for(be, MATMUL, prob, None) == cfg  # reads the device's entries once
 
     def no_disk(*a: object, **k: object) -> None:
         raise AssertionError("the hot path touched the disk")
@@ -328,11 +328,11 @@ def test_no_disk_access_after_the_first_lookup(db: Path, be: Any,
         monkeypatch.setattr(cache.Store, name, no_disk)
     a = np.ones((5, 7), np.float32)
     for _ in range(20):
-        assert be.config_for(MATMUL, prob, None) == cfg
+        assert tuned.config_for(be, MATMUL, prob, None) == cfg
         pk.matmul(a, a.T, backend=be)  # another bucket: answered from the in-memory index
     t0 = time.perf_counter()
     for _ in range(2000):
-        be.config_for(MATMUL, prob, None)
+        tuned.config_for(be, MATMUL, prob, None)
     assert (time.perf_counter() - t0) / 2000 < 50e-6
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
-from portakern import codegen, dtypes, settings, tuned
+from portakern import codegen, dtypes, settings
 from portakern.errors import DTypeError, InvalidArgumentError, ShapeError, UnsupportedDTypeError
 from portakern.host import check_host_memory, host_copy_bytes, host_operands, nbytes_of
 from portakern.lru import LRUCache  # noqa: F401  (re-exported: plan, jax)
@@ -235,15 +235,12 @@ class Backend:
                 f"{', '.join(sup)}. Fix: {fix}.")
 
     supports_out: ClassVar[bool] = False  # may results be written into a caller's array?
+    # may the autotuner's stored entries choose this backend's kernel configs (tuned.config_for)?
+    uses_tuned_configs: ClassVar[bool] = True
 
     def check_config(self, spec: KernelSpec, prob: Problem, config: Mapping[str, int]) -> None:
         """Refuse bad tunable overrides when a plan is made (before anything is uploaded).
         Default: checked where they are used (``execute``)."""
-
-    def compile_plan(self, plan: Any) -> Any:
-        """Fill in ``plan.launches`` if this backend launches kernels (C-kernel backends: the
-        compiled kernels, geometry and packed arguments); return them. Default: None."""
-        return None
 
     def run(self, plan: Any, arrays: Mapping[str, Any], out: Any = None) -> Any:
         """Execute a call planned by portakern.plan (``plan``: a Plan, whose problem was
@@ -487,51 +484,19 @@ class KernelBackend(Backend):
         # #defines, so every new D would otherwise keep one more program for good. An
         # eviction drops the runtime's plans too (they hold the evicted program's kernels).
         self._kernels: LRUCache = LRUCache(KERNEL_CACHE_SIZE, _kernels_evicted)
-        # tuned-config lookups, per (spec, tuning generation, problem bucket)
-        self._configs: dict[tuple, dict[str, int]] = {}
-
-    def run(self, plan: Any, arrays: Mapping[str, Any], out: Any = None) -> Any:
-        """The dispatch hot path (DESIGN.md: at most 5 µs over a raw enqueue) when every
-        operand is a native array and the plan launches kernels: what ``Backend.run`` checks
-        once per plan is skipped (the dtype was checked when the plan was made; a native
-        operand needs no host check); what can differ per call is still checked: each
-        operand's device/context, layout and buffer size (``prepare_native``), and ``out``
-        (shape, dtype, writable, aliasing). Anything else takes ``Backend.run``."""
-        launches = plan.launches
-        if launches is not None:
-            native = self.native_type
-            bufs: dict[str, Any] = {}
-            for k, v in arrays.items():
-                if v is not None:
-                    if v.__class__ is not native and not self.is_native(v):
-                        break
-                    bufs[k] = v
-            else:
-                if bufs:
-                    if out is not None:
-                        self.check_out(plan.spec, plan.problem, out)
-                        self.check_no_alias(plan.spec, out, bufs.items())
-                    prepare = self.prepare_native
-                    for k, v in bufs.items():
-                        prepare(k, v)
-                    return self._launch(launches, bufs, out, plan.problem)
-        return super().run(plan, arrays, out)
 
     def execute_plan(self, plan: Any, ins: dict[str, Any], out: Any) -> Any:
+        """Launch a plan's kernels on checked native operands ``ins`` (``Backend.run``'s last
+        step). The kernels are compiled at the plan's first run, after that call's checks
+        passed: ``plan.compile()`` (the Plan layer chooses the configuration)."""
         launches = plan.launches
         if launches is None:
-            launches = self.compile_plan(plan)
+            launches = plan.compile()
         return self._launch(launches, dict(ins), out, plan.problem)
 
     def check_config(self, spec: KernelSpec, prob: Problem, config: Mapping[str, int]) -> None:
-        self.config_for(spec, prob, config)
-
-    def compile_plan(self, plan: Any) -> LaunchPlan | None:
-        """Compile a plan's kernels once, at its first run (after that call's checks)."""
-        launches = plan.launches
-        if launches is None and not plan.problem.empty_result:
-            launches = plan.launches = self.build_launches(plan.spec, plan.problem, plan.config)
-        return launches
+        """Overrides are checked against the tunables' domains and the spec's own check."""
+        spec.config(self.device_class, config, prob)
 
     # subclass API
     def compile(self, source: str, entry_points: tuple[str, ...]) -> dict[str, Any]:
@@ -557,6 +522,45 @@ class KernelBackend(Backend):
 
         return launch_it
 
+    # fast per-call checks: the Plan layer's runner (portakern/plan.py) uses them when offered
+    def native_checker(self, shape: tuple[int, ...], dtype: Any
+                       ) -> Callable[[Any], Any] | None:
+        """A callable ``check(x)`` for operands of exactly this shape and dtype (the plan key
+        fixed both): ``x``'s kernel argument when ``x`` may be used as it is (this device or
+        context, contiguous, no offset, a buffer holding every byte), else None, and the call
+        then takes ``Backend.run``, which checks again and raises the precise error. None: no
+        fast checks on this backend (every call takes ``Backend.run``)."""
+        return None
+
+    def output_checker(self, shape: tuple[int, ...], dtype: str) -> Callable[[Any], Any] | None:
+        """Like ``native_checker`` for an ``out=`` array of this shape and dtype name, which
+        must also be writable. Kernel arguments must compare equal exactly when they are the
+        same device memory (the runner's aliasing test)."""
+        return None
+
+    def sequence_launcher(self, plan: LaunchPlan, index: Mapping[str, int]
+                          ) -> Callable[[list[Any]], None]:
+        """A callable ``launch_all(handles)`` enqueueing every launch of ``plan`` in order,
+        where a launch's buffer argument named ``n`` is ``handles[index[n]]`` (a kernel
+        argument, as ``native_checker``/``buffer_arg``/``scratch`` give). Made once per plan
+        by the Plan layer's runner. Raises KeyError when a template names a buffer ``index``
+        lacks. Default: the per-launch ``launcher``s in turn."""
+        steps = [(launcher, template, tuple((i, index[n]) for i, n in slots))
+                 for launcher, template, slots in plan.steps]
+
+        def launch_all(handles: list[Any]) -> None:
+            for launcher, template, slots in steps:
+                args = template.copy()
+                for i, j in slots:
+                    args[i] = handles[j]
+                launcher(args)
+
+        return launch_all
+
+    def scratch(self, nbytes: int) -> Any:
+        """A device buffer of ``nbytes`` bytes as a kernel argument: a plan's workspace."""
+        raise NotImplementedError
+
     def kernel_limits(self, kernel: Any) -> tuple[int | None, int | None]:
         """(local memory bytes, largest work-group) the driver reports for one compiled kernel
         (the tuner skips configs beyond them); (None, None) when this backend cannot tell."""
@@ -578,24 +582,6 @@ class KernelBackend(Backend):
         assert self.dialect is not None
         return codegen.render(spec.source, self.dialect, slots=spec.slots(prob),
                               defines=spec.defines(prob, cfg))
-
-    def config_for(self, spec: KernelSpec, prob: Problem,
-                   overrides: Mapping[str, int] | None) -> dict[str, int]:
-        if overrides:
-            return spec.config(self.device_class, overrides, prob)
-        key = (spec.name, spec.token, tuned.cache_token(prob))  # tuned entries are per bucket
-        cfg = self._configs.get(key)
-        if cfg is None:
-            cfg = self.tuned_config(spec, prob) or spec.config(self.device_class, None, prob)
-            if len(self._configs) > 4096:  # bounded, like the plan cache
-                self._configs.clear()
-            self._configs[key] = cfg
-        return cfg
-
-    def tuned_config(self, spec: KernelSpec, prob: Problem) -> dict[str, int] | None:
-        """The autotuner's validated entry for this device and problem bucket (portakern.tuned);
-        None = use the spec's default schedule."""
-        return tuned.lookup(self, spec, prob)
 
     def kernels_for(self, spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]
                     ) -> dict[str, Any]:
@@ -645,11 +631,10 @@ class KernelBackend(Backend):
         return out
 
     def build_launches(self, spec: KernelSpec, prob: Problem,
-                       config: Mapping[str, int] | None) -> LaunchPlan:
-        """Compiled kernels + launch geometry + packed scalar arguments for a problem, once
-        per plan (portakern.plan caches the plan): a repeated call skips rendering, config
-        lookups and argument packing."""
-        cfg = self.config_for(spec, prob, config)
+                       cfg: Mapping[str, int]) -> LaunchPlan:
+        """Compiled kernels + launch geometry + packed scalar arguments for a problem and a
+        complete kernel configuration ``cfg`` (the Plan layer's choice: tuned.config_for),
+        once per plan: a repeated call skips rendering, config lookups and argument packing."""
         kernels = self.kernels_for(spec, prob, cfg)
         plan = LaunchPlan()
         if spec.workspace is not None:

@@ -448,6 +448,8 @@ class OclgrindBackend(OpenCLBackend):
     """``opencl:oclgrind``: the OpenCL backend on the simulator, every launch checked."""
 
     simulator = True
+    # always the spec's schedules, never a tuned entry: what the sweep and trace claim to check
+    uses_tuned_configs = False
 
     @classmethod
     def probe(cls) -> Availability:
@@ -507,8 +509,6 @@ class OclgrindBackend(OpenCLBackend):
             raise BackendUnavailable("the Oclgrind simulator could not be loaded")
         return plat.get_devices()[0]
 
-    def tuned_config(self, spec: Any, prob: Any) -> dict[str, int] | None:
-        return None  # always the spec's schedules: what the sweep and trace claim to check
 
     def free_pooled_memory(self) -> int:
         return 0

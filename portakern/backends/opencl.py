@@ -255,9 +255,10 @@ class OpenCLBackend(KernelBackend):
     _limits: tuple[int, int] = (1 << 62, 1 << 62)  # (max_mem_alloc_size, global_mem_size)
 
     # what a forked child may no longer call (see _after_fork_in_child)
-    _DEVICE_METHODS = ("run", "execute_plan", "to_native", "to_numpy", "empty", "zeros",
+    _DEVICE_METHODS = ("run", "execute_plan", "to_native", "to_numpy", "empty", "zeros", "scratch",
+                       "sequence_launcher",
+                       "native_checker", "output_checker",
                        "synchronize", "prepare_native", "compile", "enqueue", "build_launches",
-                       "compile_plan",
                        "free_pooled_memory", "fill_zero", "kernels_for")
 
     def _disable_after_fork(self) -> None:
@@ -271,7 +272,7 @@ class OpenCLBackend(KernelBackend):
 
         for name in self._DEVICE_METHODS:
             setattr(self, name, refuse)
-        for cache in ("_kernels", "_configs", "_empty_meta"):
+        for cache in ("_kernels", "_empty_meta"):
             c = getattr(self, cache, None)
             if c is not None:
                 c.clear()
@@ -319,6 +320,58 @@ class OpenCLBackend(KernelBackend):
                     "shape x itemsize bytes: make it with pyopencl.array.empty/to_device (or "
                     "portakern.to_backend), not Array(..., data=<smaller buffer>).")
         return x
+
+    def native_checker(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """``prepare_native``'s checks for one shape and dtype, each a comparison: the class
+        and context by identity, the C-contiguous strides of ``shape`` (which imply no gaps),
+        offset 0, and the buffer's size (one clGetMemObjectInfo). Returns the buffer.
+        (pyopencl hands out a new Context wrapper per access, so the context is compared by
+        value unless the array was made on this backend's own queue.)"""
+        if cla is None:
+            return None
+        st = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * st.itemsize
+        if not nbytes:
+            return None  # an empty operand: buffer_arg's placeholder, on the checked path
+        strides = _c_strides(shape, st.itemsize)
+        cls, ctx, queue = cla.Array, self.ctx, self.queue
+
+        def check(x: Any) -> Any:  # an array made on our queue is in our context
+            if x.__class__ is cls and (x.queue is queue or x.context == ctx) \
+                    and x.strides == strides and not x.offset:
+                bd = x.base_data
+                if bd is not None and bd.size >= nbytes:
+                    return bd
+            return None
+
+        return check
+
+    def output_checker(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """``native_checker`` plus the shape and dtype (an operand's are in the plan key, an
+        out='s are not) and writability; pyopencl buffers compare equal when they are one cl_mem."""
+        st = storage_dtype(dtype)
+        inner = self.native_checker(shape, st)
+        if inner is None:
+            return None
+        read_only = cl.mem_flags.READ_ONLY
+
+        def check(o: Any) -> Any:  # strides alone do not fix the shape: (4, 3) ~ (5, 3)
+            if o.dtype != st or o.shape != shape:
+                return None
+            bd = inner(o)
+            if bd is None or bd.flags & read_only:
+                return None
+            return bd
+
+        return check
+
+    def scratch(self, nbytes: int) -> Any:
+        try:
+            return self._new_buffer(nbytes)
+        except cl.Error as exc:
+            if not _is_allocation_failure(exc):
+                raise
+            raise self._oom("a workspace buffer", nbytes, exc) from None
 
     def check_device_buffers(self, spec: Any, parts: list[tuple[str, int]]) -> None:
         """Each buffer at most the device's max_mem_alloc_size, all of them at most its
@@ -547,6 +600,30 @@ class OpenCLBackend(KernelBackend):
 
         return launch_it
 
+    def sequence_launcher(self, plan: Any, index: Any) -> Any:
+        """All of a plan's launches under one lock acquisition (clSetKernelArg on a shared
+        kernel object is not thread-safe, and one call's launches then stay together)."""
+        if type(self).enqueue is not OpenCLBackend.enqueue:  # a subclass observes enqueues
+            return super().sequence_launcher(plan, index)
+        queue, lock, enqueue = self.queue, self._lock, cl.enqueue_nd_range_kernel
+        steps = [(kernel.set_args, kernel, launch, launch.global_size, launch.local, template,
+                  tuple((i, index[n]) for i, n in enumerate(template) if n.__class__ is str))
+                 for kernel, launch, template in plan]
+
+        def launch_all(handles: list[Any]) -> None:
+            with lock:
+                for set_args, kernel, launch, gsize, local, template, slots in steps:
+                    args = template.copy()
+                    for i, j in slots:
+                        args[i] = handles[j]
+                    set_args(*args)
+                    try:
+                        enqueue(queue, kernel, gsize, local)
+                    except cl.Error as exc:
+                        self._launch_failed(launch, args, exc)
+
+        return launch_all
+
     def _launch_failed(self, launch: Launch, args: list[Any], exc: BaseException) -> None:
         if not _is_allocation_failure(exc):
             raise exc
@@ -568,6 +645,15 @@ class OpenCLBackend(KernelBackend):
 
 
 _new_array = object.__new__
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """The strides numpy (and pyopencl) give a C-contiguous array of this shape."""
+    out, step = [], itemsize
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(int(d), 1)
+    return tuple(reversed(out))
 
 
 def _array_template(proto: Any) -> dict[str, Any] | None:

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from .. import backends as registry
-from .. import selection
+from .. import selection, tuned
 from ..api import call
 from ..backends.base import Backend, KernelBackend
 from ..errors import PortakernError
@@ -186,7 +186,7 @@ def measure_ours(be: Backend, case: BenchCase, native: Mapping[str, Any], timing
     compile_s, kcfg, cached = None, None, False
     if isinstance(be, KernelBackend):
         prob = spec.problem(*spec.bind(args, dict(case.params)))
-        kcfg = be.config_for(spec, prob, None)
+        kcfg = tuned.config_for(be, spec, prob, None)
         known = len(getattr(be, "_kernels", None) or {})
         t0 = time.perf_counter()
         be.kernels_for(spec, prob, kcfg)  # compile (or load from the driver's cache) untimed
@@ -253,7 +253,7 @@ def attention_memory(be: Backend, case: BenchCase) -> dict[str, Any]:
     if isinstance(be, KernelBackend):
         spec = get_op("attention")
         prob = spec.problem(*spec.bind(metadata_inputs(case), dict(case.params)))
-        cfg = be.config_for(spec, prob, None)
+        cfg = tuned.config_for(be, spec, prob, None)
         d = spec.defines(prob, cfg)
         ws = spec.workspace(prob, cfg) if spec.workspace is not None else {}
         scratch = sum(int(n) * dtypes.info(dt).storage.itemsize for n, dt in ws.values())
