@@ -749,7 +749,17 @@ def test_dispatch_is_measured_for_the_named_entry_points_on_opencl() -> None:
         assert rec["target_us"] == TARGET_US == 5.0
         assert "raw_launcher" in rec["what"]["raw"] and "out=" in rec["what"]["call_out"]
         assert rec["info"]["raw_max_abs_error"] < 1e-4  # the raw launch computed the op
+        # OpenCL holds its queue: the host's side is measured and the target judged on it
+        assert rec["judged_on"] == "host"
+        h = rec["host"]
+        for v in ("call", "call_out", "raw"):
+            assert len(h["per_call_us"][v]["samples"]) == 3 and h["per_call_us"][v]["median"] > 0
+        assert h["overhead_us"]["call"] == pytest.approx(
+            h["per_call_us"]["call"]["median"] - h["per_call_us"]["raw"]["median"])
+        assert rec["meets_target"]["call"] == (h["overhead_us"]["call"] <= TARGET_US)
     assert got["pk.softmax"]["info"]["kernels"][0]["kernel"] == "softmax"
+    table = "\n".join(report.dispatch_markdown({be.label: got}))
+    assert "host overhead" in table and "(host)" in table
 
 
 def test_dispatch_has_no_backend_name_branches() -> None:
@@ -771,10 +781,16 @@ def test_dispatch_is_not_applicable_without_c_kernels_and_renders() -> None:
           **summarize_dispatch({"call": [30e-6] * 3, "call_out": [15e-6] * 3,
                                 "raw": [10e-6] * 3}, target_us=5.0)}
     text = "\n".join(dispatch_markdown({"opencl:0": {"pk.softmax": ok}, "stub:0": rec}))
-    assert ("| opencl:0 | pk.softmax(x) | 30 µs ±0% | 15 µs ±0% | 10 µs ±0% | +20 µs | "
-            "+5 µs |") in text
-    assert "call no, out= yes" in text and "| stub:0 | all entry points | not_applicable |" \
-        in text
+    assert ("| opencl:0 | pk.softmax(x) | n/a | n/a | n/a | 30 µs ±0% | 10 µs ±0% | +20 µs | "
+            "+5 µs | call no, out= yes (wall) |") in text
+    assert "| stub:0 | all entry points | not_applicable |" in text
+    host = summarize_dispatch({"call": [6e-6] * 3, "call_out": [4e-6] * 3, "raw": [2e-6] * 3})
+    held = {**ok, "host": {k: host[k] for k in ("per_call_us", "overhead_us",
+                                                "overhead_paired_us")},
+            "meets_target": host["meets_target"], "judged_on": "host"}
+    text = "\n".join(dispatch_markdown({"opencl:0": {"pk.softmax": held}}))
+    assert ("| opencl:0 | pk.softmax(x) | +4 µs | +2 µs | 2 µs ±0% | 30 µs ±0% | 10 µs ±0% | "
+            "+20 µs | +5 µs | call yes, out= yes (host) |") in text
 
 
 def test_an_op_without_sizes_is_named_not_fatal_in_the_default_op_list() -> None:

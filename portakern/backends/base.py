@@ -572,6 +572,13 @@ class KernelBackend(Backend):
         dispatch benchmark (bench/dispatch.py). None: this backend has no raw API to offer."""
         return None
 
+    def held_queue(self) -> Any:
+        """A context manager inside which work enqueued on this backend's queue waits (it
+        runs when the block exits, which also waits for it): the dispatch benchmark times
+        the host's side of a call with it, so a device that shares the host's cores (a CPU
+        OpenCL device) cannot slow the host down while it is timed. None: not offered."""
+        return None
+
     def declare_arguments(self, kernel: Any, template: Sequence[Any]) -> None:
         """Tell the device API the argument kinds of ``kernel`` once, when a plan is built
         (``template``: buffer names as str, scalars as numpy scalars), so the per-call argument

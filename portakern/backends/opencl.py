@@ -9,6 +9,7 @@ default, which the tolerance rules allow); fp16 storage uses core vload_half/vst
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from collections.abc import Sequence
@@ -599,6 +600,23 @@ class OpenCLBackend(KernelBackend):
                     self._launch_failed(launch, args, exc)
 
         return launch_it
+
+    def held_queue(self) -> Any:
+        """A user event gates a marker on this in-order queue: every later command waits
+        until the block exits and the event completes; then the queue is drained."""
+        queue, ctx = self.queue, self.ctx
+
+        @contextlib.contextmanager
+        def hold() -> Any:
+            gate = cl.UserEvent(ctx)
+            cl.enqueue_marker(queue, wait_for=[gate])
+            try:
+                yield
+            finally:
+                gate.set_status(cl.command_execution_status.COMPLETE)
+                queue.finish()
+
+        return hold()
 
     def sequence_launcher(self, plan: Any, index: Any) -> Any:
         """All of a plan's launches under one lock acquisition (clSetKernelArg on a shared

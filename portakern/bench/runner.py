@@ -630,9 +630,13 @@ def run_dispatch(targets: list[Backend], cfg: BenchConfig, result: dict[str, Any
         for name, d in entries_of(rec).items():
             if d.get("status") == "ok":
                 o = d["overhead_us"]
-                progress.line(f"    {name:<13s} +{o['call']:.3g} µs, out= +{o['call_out']:.3g} "
-                              f"µs over the raw enqueue ({d['per_call_us']['raw']['median']:.3g}"
-                              f" µs; target {d['target_us']:g} µs)")
+                h = d.get("host")
+                hs = (f"host +{h['overhead_us']['call']:.3g} µs, out= "
+                      f"+{h['overhead_us']['call_out']:.3g} µs; " if h else "")
+                progress.line(f"    {name:<13s} {hs}wall +{o['call']:.3g} µs, out= "
+                              f"+{o['call_out']:.3g} µs over the raw enqueue "
+                              f"({d['per_call_us']['raw']['median']:.3g} µs; target "
+                              f"{d['target_us']:g} µs, judged on {d.get('judged_on', 'wall')})")
             else:
                 progress.line(f"    {name:<13s} {d.get('status')}: "
                               f"{str(d.get('reason', ''))[:160]}")
