@@ -7,8 +7,11 @@ deep inside a backend on some other machine. ``check_spec`` is what ``register_o
 (milliseconds): names, operands, parameters, required callables, the semantics' signature,
 tunables and every schedule against their domains, and — on the example problem of each
 dtype — slots, defines, launches (every entry point they name must be defined in ``source``
-with ``PK_KERNEL void name(``), cost, and the semantics' output shape. Compiling the example
-everywhere (``register_op(check=True)``) is a tool: portakern.spec_tools.
+with ``PK_KERNEL void name(``), cost, and the semantics' output shape. Several outputs
+(``Problem.outputs``), int32 operands and int32 workspaces are checked like the rest: each
+output named, shaped and typed, the semantics returning one array per output, ``tolerance``
+one bound per output (``output_bounds``). Compiling the example everywhere and running the
+spec's cases against the oracle (``register_op(check=True)``) is a tool: portakern.spec_tools.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def example_inputs(spec: KernelSpec, dtype: str, sizes: Mapping[str, int] | None
             continue
         shape = tuple(d if isinstance(d, int) else int((sizes or {}).get(
             d, EXAMPLE_LAST if d in last else EXAMPLE_OTHER)) for d in dims)
-        arrays[op.name] = ArrayMeta(shape, "bool" if op.kind == "bool" else st)
+        arrays[op.name] = ArrayMeta(shape, op.kind if op.kind in ("bool", "int32") else st)
     return arrays, dict(spec.params)
 
 
@@ -123,10 +126,11 @@ def derived_cases(spec: KernelSpec) -> Callable[[Chooser, str], Case] | None:
     +- 1), other size names from a short list; float operands are standard normal at a scale of
     1, 1e-3 or 30 (4 for float16), bool operands ~70% True, optional operands present half the
     time; parameters keep their defaults (write ``cases`` to vary them). None when the spec
-    has neither ``shapes`` nor ``example``.
+    has neither ``shapes`` nor ``example``, and when it has an int32 operand: only the op knows
+    which index values are valid, so such a spec brings its own ``cases``.
     """
     hint = shape_family(spec)
-    if hint is None and spec.example is None:
+    if (hint is None and spec.example is None) or int32_operands(spec):
         return None
 
     def generate(ch: Chooser, dtype: str) -> Case:
@@ -153,6 +157,57 @@ def derived_cases(spec: KernelSpec) -> Callable[[Chooser, str], Case] | None:
         return Case(arrays, dict(spec.params), note)
 
     return generate
+
+
+def int32_operands(spec: KernelSpec) -> list[str]:
+    """The names of a spec's int32 operands (index tables)."""
+    return [o.name for o in spec.operands if getattr(o, "kind", None) == "int32"]
+
+
+def no_generator_reason(spec: KernelSpec) -> str:
+    """Why a spec has no case generator, and the fix (for `portakern check` and the tests)."""
+    ints = int32_operands(spec)
+    if ints:
+        return (f"op {spec.name} has int32 operands {ints}, whose valid values only the op "
+                "knows, and no `cases`: give its KernelSpec `cases=` (a generator drawing valid "
+                "indices) or call portakern.register_cases")
+    return (f"op {spec.name} has no case generator; give its KernelSpec `cases`, `shapes` or "
+            "`example`")
+
+
+# --- several outputs: one bound per output ---------------------------------------------------
+OUTPUT_DTYPES = (*dtypes.FLOAT_DTYPES, "int32")
+
+
+def output_bounds(spec: str, outputs: Mapping[str, tuple[tuple[int, ...], str]],
+                  bounds: Any) -> tuple[Any, ...]:
+    """A several-output spec's ``tolerance`` result as one bound per output, in output order.
+
+    ``tolerance(p, inputs64, refs)`` gets the oracle's tuple and may return a tuple (or list)
+    with one entry per output in the order of ``Problem.outputs``, a dict {output name:
+    bound}, or one bound for every output. An entry is an array broadcasting to its output, a
+    number, or None: exact (no error allowed). An int32 output is always judged exactly,
+    whatever its entry (it may be left out of a dict). Raises SpecError naming the spec, what
+    was returned and the fix."""
+    names = tuple(outputs)
+    fix = (f"return a tuple of {len(names)} bounds in the order {names} (None for an exact "
+           "output), a dict {output name: bound}, or one bound for all of them")
+    if isinstance(bounds, Mapping):
+        unknown = sorted(set(bounds) - set(names))
+        missing = [n for n in names if n not in bounds and outputs[n][1] != "int32"]
+        if unknown or missing:
+            raise spec_error(spec, "tolerance", f"returns bounds for {sorted(bounds)}; the "
+                             f"outputs are {list(names)} (unknown: {unknown}, missing: "
+                             f"{missing})", fix)
+        got = tuple(bounds.get(n) for n in names)
+    elif isinstance(bounds, (tuple, list)):
+        if len(bounds) != len(names):
+            raise spec_error(spec, "tolerance", f"returns {len(bounds)} bounds for "
+                             f"{len(names)} outputs {list(names)}", fix)
+        got = tuple(bounds)
+    else:
+        got = (bounds,) * len(names)
+    return tuple(None if outputs[n][1] == "int32" else b for n, b in zip(names, got))
 
 
 # --- checks ----------------------------------------------------------------------------------
@@ -214,10 +269,11 @@ def _check_signature(spec: KernelSpec) -> None:
         if o.name in seen:
             raise spec_error(n, "operands", f"operand {o.name!r} appears twice",
                              "give every operand its own name")
-        if o.kind not in ("float", "bool"):
+        if o.kind not in ("float", "bool", "int32"):
             raise spec_error(n, "operands", f"operand {o.name!r} has kind {o.kind!r}; "
-                             "expected 'float' or 'bool'", "use Operand(name) or "
-                             "Operand(name, 'bool')")
+                             "expected 'float', 'bool' or 'int32'", "use Operand(name), "
+                             "Operand(name, 'bool') (a mask) or Operand(name, 'int32') (an "
+                             "index table)")
         seen.add(o.name)
     if not any(o.kind == "float" for o in ops):
         raise spec_error(n, "operands", "no float operand (the op's dtype is its float "
@@ -262,7 +318,9 @@ _FIXES: dict[str, str] = {
     "launches": "launches(p, cfg) -> [Launch(kernel, groups, local, args)]",
     "cost": "cost(p) -> Cost(flops, bytes) (compulsory traffic: inputs once, output once)",
     "tolerance": "tolerance(p, inputs64, ref) -> bound per element, derived from the op's "
-                 "error analysis (see portakern/ops/rmsnorm.py)",
+                 "error analysis (see portakern/ops/rmsnorm.py); with several outputs ref is "
+                 "the oracle's tuple and the result one bound per output (a tuple in output "
+                 "order, a dict by output name, None for an exact output)",
     "config_check": "config_check(p_or_None, cfg) -> None or a reason string",
     "pallas": "pallas=None unless you ship a Pallas kernel builder",
     "example": "example(dtype) -> ({operand: ArrayMeta(shape, dtype)}, {param: value})",
@@ -392,7 +450,7 @@ def _check_problem(spec: KernelSpec, prob: Problem, kernels: list[str]) -> None:
     if not isinstance(slots, Mapping) or not slots:
         raise spec_error(n, "slots", f"returned {slots!r}; expected a non-empty dict "
                          "slot -> dtype", _FIXES["slots"])
-    operand_names = {o.name for o in spec.operands} | {"out"}
+    operand_names = {o.name for o in spec.operands} | _check_outputs(spec, prob)
     scheds = sorted(spec.schedules) or ["gpu"]
     for sched in scheds:
         try:
@@ -426,6 +484,33 @@ def _check_problem(spec: KernelSpec, prob: Problem, kernels: list[str]) -> None:
                          _FIXES["cost"])
 
 
+def _check_outputs(spec: KernelSpec, prob: Problem) -> set[str]:
+    """The output buffers' names (``{"out"}`` for a one-output op), after checking that each
+    several-output entry is a fresh identifier with a shape and a float or int32 dtype."""
+    if prob.outputs is None:
+        return {"out"}
+    n = spec.name
+    fix = ("validate returns Problem(..., outputs={'y': ((M, D), dtype), 's': ((M,), dtype)}): "
+           "name -> (shape, dtype name), in the order the op returns them, each dtype a float "
+           f"dtype or 'int32' ({', '.join(OUTPUT_DTYPES)})")
+    if not isinstance(prob.outputs, Mapping) or not prob.outputs:
+        raise spec_error(n, "validate", f"Problem.outputs is {prob.outputs!r}; expected a "
+                         "non-empty dict", fix)
+    operands = {o.name for o in spec.operands}
+    for name, val in prob.outputs.items():
+        if not isinstance(name, str) or not name.isidentifier() or name in operands:
+            raise spec_error(n, "validate", f"output name {name!r} is not an identifier or is "
+                             f"an operand's name (operands: {sorted(operands)})",
+                             "give every output its own identifier; " + fix)
+        ok = (isinstance(val, tuple) and len(val) == 2 and isinstance(val[0], tuple)
+              and all(isinstance(d, (int, np.integer)) and d >= 0 for d in val[0])
+              and val[1] in OUTPUT_DTYPES)
+        if not ok:
+            raise spec_error(n, "validate", f"output {name!r} is declared as {val!r}, not "
+                             "(shape tuple, dtype name)", fix)
+    return set(prob.outputs)
+
+
 def _check_workspace(spec: KernelSpec, prob: Problem, cfg: Mapping[str, int],
                      operand_names: set[str]) -> set[str]:
     """Names of the spec's workspace buffers for this problem, after checking them."""
@@ -434,14 +519,15 @@ def _check_workspace(spec: KernelSpec, prob: Problem, cfg: Mapping[str, int],
     n = spec.name
     ws = _call(spec, "workspace", spec.workspace, prob, cfg)
     fix = ("return {name: (elements, dtype name)}, e.g. {'packed': (K * N, p.dtype)}, with "
-           "names that are neither operands nor 'out'")
+           "names that are neither operands nor outputs and a float dtype or 'int32' "
+           f"({', '.join(OUTPUT_DTYPES)})")
     if not isinstance(ws, Mapping):
         raise spec_error(n, "workspace", f"returned {type(ws).__name__}; expected a dict", fix)
     for name, val in ws.items():
         ok = (isinstance(name, str) and name.isidentifier() and name not in operand_names
               and isinstance(val, tuple) and len(val) == 2
               and isinstance(val[0], (int, np.integer)) and val[0] >= 0
-              and val[1] in dtypes.FLOAT_DTYPES)
+              and val[1] in OUTPUT_DTYPES)
         if not ok:
             raise spec_error(n, "workspace", f"entry {name!r}: {val!r} is not a valid buffer",
                              fix)
@@ -465,16 +551,40 @@ def _check_launch(spec: KernelSpec, la: Any, kernels: list[str], names: set[str]
         if isinstance(a, Buf):
             if a.name not in names:
                 raise spec_error(n, "launches", f"Launch({la.kernel!r}) passes Buf({a.name!r}), "
-                                 f"which is not an operand, 'out' or a workspace buffer "
+                                 f"which is not an operand, an output or a workspace buffer "
                                  f"({sorted(names)})",
-                                 "pass Buf(operand), Buf('out') or a name from workspace()")
+                                 "pass Buf(operand), Buf(output) (Buf('out') for a one-output "
+                                 "op, the names of Problem.outputs otherwise) or a name from "
+                                 "workspace()")
         elif isinstance(a, Scalar):
-            if a.ctype not in ("int", "acc"):
-                raise spec_error(n, "launches", f"Scalar({a.value!r}, {a.ctype!r}) has an unknown"
-                                 " ctype", "use ctype 'int' (32-bit) or 'acc' (compute float)")
+            _check_scalar(spec, la, a)
         else:
             raise spec_error(n, "launches", f"argument {a!r} is neither Buf nor Scalar",
                              "wrap buffers as Buf(name) and numbers as Scalar(value, ctype)")
+
+
+def _check_scalar(spec: KernelSpec, la: Launch, a: Scalar) -> None:
+    """An 'int' Scalar holds an integer in 32-bit range (a float would be truncated by the C
+    argument, a larger int wrapped); an 'acc' Scalar a real number."""
+    n = spec.name
+    if a.ctype == "int":
+        v = a.value
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise spec_error(n, "launches", f"Launch({la.kernel!r}) passes Scalar({v!r}, 'int'), "
+                             f"a {type(v).__name__}, where the kernel takes a 32-bit int",
+                             "pass an int (validate can normalise the parameter with int(...)) "
+                             "or use Scalar(value, 'acc') for a float")
+        if not -2**31 <= int(v) < 2**31:
+            raise spec_error(n, "launches", f"Launch({la.kernel!r}) passes Scalar({v!r}, 'int'), "
+                             "outside the 32-bit int range", "refuse such values in validate")
+    elif a.ctype == "acc":
+        if isinstance(a.value, bool) or not isinstance(a.value, (int, float, np.integer,
+                                                                 np.floating)):
+            raise spec_error(n, "launches", f"Launch({la.kernel!r}) passes Scalar({a.value!r}, "
+                             "'acc'), which is not a number", "pass a float")
+    else:
+        raise spec_error(n, "launches", f"Scalar({a.value!r}, {a.ctype!r}) has an unknown"
+                         " ctype", "use ctype 'int' (32-bit) or 'acc' (compute float)")
 
 
 def _check_semantics_binds(spec: KernelSpec, prob: Problem | None) -> None:
@@ -497,32 +607,58 @@ def _zeros(spec: KernelSpec, prob: Problem) -> list[np.ndarray | None]:
     out: list[np.ndarray | None] = []
     for o in spec.operands:
         shp = prob.shapes.get(o.name)
-        out.append(None if shp is None else np.zeros(shp, bool if o.kind == "bool"
-                                                     else np.float64))
+        dt = {"bool": bool, "int32": np.int32}.get(o.kind, np.float64)
+        out.append(None if shp is None else np.zeros(shp, dt))  # int32: index 0, valid
     return out
 
 
 def _check_semantics_output(spec: KernelSpec, prob: Problem) -> None:
-    """Run semantics and tolerance once on zeros of the example's shapes (numpy, float64)."""
-    if prob.empty_result or int(np.prod(prob.out_shape)) > MAX_EVAL_ELEMENTS:
+    """Run semantics and tolerance once on zeros of the example's shapes (numpy, float64):
+    one array per output of the declared shape, one non-negative bound per output."""
+    outs = prob.output_specs
+    if prob.empty_result or max(int(np.prod(s)) for s, _ in outs.values()) > MAX_EVAL_ELEMENTS:
         return
     args = _zeros(spec, prob)
+    ins = {o.name: a for o, a in zip(spec.operands, args, strict=True) if a is not None}
     with np.errstate(all="ignore"):
-        ref = _call(spec, "semantics", lambda: np.asarray(spec.semantics(np, *args,
-                                                                         **prob.params)))
-        if ref.shape != tuple(prob.out_shape):
-            raise spec_error(spec.name, "semantics", f"returns shape {ref.shape} for the example "
-                             f"while validate promises out_shape {tuple(prob.out_shape)}",
-                             "make validate's out_shape and the semantics agree")
-        ins = {o.name: a for o, a in zip(spec.operands, args, strict=True) if a is not None}
-        bound = np.asarray(_call(spec, "tolerance", spec.tolerance, prob, ins,
-                                 ref.astype(np.float64)))
-    try:
-        np.broadcast_to(bound, ref.shape)
-    except ValueError:
-        raise spec_error(spec.name, "tolerance", f"returns shape {bound.shape}, which does not "
-                         f"broadcast to the output {ref.shape}", "return one bound per output "
-                         "element (or a scalar)") from None
-    if np.any(bound < 0):
-        raise spec_error(spec.name, "tolerance", "returns negative bounds",
-                         "return |ref| * rel + floor with rel, floor >= 0")
+        res = _call(spec, "semantics", lambda: spec.semantics(np, *args, **prob.params))
+        if prob.outputs is None:
+            refs = (np.asarray(res),)
+        elif not isinstance(res, (tuple, list)) or len(res) != len(outs):
+            got = (f"{len(res)} arrays" if isinstance(res, (tuple, list))
+                   else f"one {type(res).__name__}")
+            raise spec_error(spec.name, "semantics", f"returns {got} for the example while "
+                             f"validate declares {len(outs)} outputs {list(outs)}",
+                             "return a tuple with one array per output, in the order of "
+                             "Problem.outputs")
+        else:
+            refs = tuple(np.asarray(r) for r in res)
+        for (name, (shape, dt)), ref in zip(outs.items(), refs):
+            what = "out_shape" if prob.outputs is None else f"output {name!r} of shape"
+            if ref.shape != tuple(shape):
+                raise spec_error(spec.name, "semantics", f"returns shape {ref.shape} for the "
+                                 f"example while validate promises {what} {tuple(shape)}",
+                                 "make validate's out_shape/outputs and the semantics agree")
+            if dt == "int32" and ref.dtype.kind not in "iub":
+                raise spec_error(spec.name, "semantics", f"returns {ref.dtype} for output "
+                                 f"{name!r}, which validate declares int32",
+                                 "compute integer outputs with integer operations (e.g. "
+                                 "xp.argmax) or declare the output a float dtype")
+        refs64 = tuple(r.astype(np.float64) for r in refs)
+        raw = _call(spec, "tolerance", spec.tolerance, prob, ins,
+                    refs64[0] if prob.outputs is None else refs64)
+        bounds = (raw,) if prob.outputs is None else output_bounds(spec.name, outs, raw)
+    for (name, _), ref, b in zip(outs.items(), refs64, bounds):
+        if b is None:
+            continue  # exact
+        of = "the output" if prob.outputs is None else f"output {name!r}"
+        try:
+            bound = np.broadcast_to(np.asarray(b, dtype=np.float64), ref.shape)
+        except (ValueError, TypeError):
+            raise spec_error(spec.name, "tolerance", f"returns a bound of shape "
+                             f"{np.shape(b)} for {of}, which does not broadcast to its shape "
+                             f"{ref.shape}", "return one bound per output element (or a "
+                             "scalar)") from None
+        if np.any(bound < 0):
+            raise spec_error(spec.name, "tolerance", f"returns negative bounds for {of}",
+                             "return |ref| * rel + floor with rel, floor >= 0")

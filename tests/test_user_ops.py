@@ -202,7 +202,7 @@ BAD_SPECS: dict[str, tuple[dict[str, Any], str, list[str]]] = {
     "workspace named like the output": (
         {"workspace": lambda p, cfg: {"out": (16, p.dtype)}}, "workspace", ["'out'"]),
     "workspace of an unknown dtype": (
-        {"workspace": lambda p, cfg: {"tmp": (16, "int32")}}, "workspace", ["'tmp'"]),
+        {"workspace": lambda p, cfg: {"tmp": (16, "int64")}}, "workspace", ["'tmp'", "int32"]),
 }
 
 
