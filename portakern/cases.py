@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .ops.attention import ATTENTION_VALUES, attention_case  # noqa: F401  (re-exported)
 from .ops.matmul import LONG_K, MATMUL_VALUES, matmul_case, matmul_values  # noqa: F401
 from .ops.softmax import softmax_case  # noqa: F401
@@ -67,8 +69,17 @@ def case_generator(spec: Any) -> CaseGenerator | None:
 def compare(spec: Any, case: Case, got: Any) -> Any:
     """Check a backend's output against the float64 oracle: the op's worst-case bound and its
     statistical check (portakern.verify, the one code path behind pk.verify, the suite and
-    `portakern check`). Returns a portakern.verify.Verdict."""
-    from .verify import compare_arrays
+    `portakern check`). Returns a portakern.verify.Verdict.
+
+    ``got`` is what the call returned: one array, or for an op with several outputs
+    (``Problem.outputs``) a tuple with one array per output, each checked against its own
+    bound and dtype (an int32 output exactly) and named in the verdict. Device arrays (jax,
+    CuPy, PyOpenCL) are copied to host first."""
+    from .verify import _host, compare_arrays
 
     arrays, params = spec.bind((), {k: v for k, v in case.arrays.items()} | case.params)
+    if isinstance(got, (tuple, list)):
+        got = tuple(_host(f"got[{i}]", g, spec.name) for i, g in enumerate(got))
+    elif got is not None and not isinstance(got, np.ndarray):
+        got = _host("got", got, spec.name)
     return compare_arrays(spec, arrays, params, got)

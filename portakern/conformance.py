@@ -3,7 +3,8 @@
 What a user runs on a new device or driver: every registered op x dtype on every available
 target, random edge-case shapes and values (portakern.cases), each compared with the float64
 oracle through portakern.verify (the code path of pk.verify and the test suite): the op's
-worst-case bound and, for ops with a probabilistic error model, its statistical check.
+worst-case bound and, for ops with a probabilistic error model, its statistical check. An op
+with several outputs is judged on each (its verdict names the output), int32 outputs exactly.
 Prints op x backend x dtype with pass/fail and both ratios (worst |err|/bound over every
 element of every case; the largest statistic T/tau of any case; <= 1 passes), writes a
 result file naming device, driver and versions, and exits non-zero on any failure.
@@ -26,6 +27,7 @@ from ._version import __version__
 from .cases import Chooser, NumpyChooser, case_generator
 from .errors import PortakernError
 from .ops import OPS, plugin_errors
+from .spec_check import no_generator_reason
 
 DEFAULT_EXAMPLES = 25  # random cases per op x dtype (--examples)
 SIMULATOR_EXAMPLES = 4  # ... on a simulator (an interpreter), unless --examples says
@@ -67,8 +69,7 @@ def run_check(target: str, op: str, dtype: str, examples: int | None, seed: int
         return {"status": "n/a", "why": f"{be.describe()} does not support {dtype}"}
     gen = case_generator(spec)  # built-in table, else the spec's own or derived generator
     if gen is None:
-        return {"status": "n/a", "why": f"op {op} has no case generator; give its KernelSpec "
-                                        "`cases`, `shapes` or `example`"}
+        return {"status": "n/a", "why": no_generator_reason(spec)}
     ch = NumpyChooser(np.random.default_rng([seed, hash(op) & 0xFFFF, len(dtype)]))
     simulator = getattr(be, "simulator", False)
     if simulator:  # opencl:oclgrind interprets: simulator-sized cases
@@ -83,7 +84,7 @@ def run_check(target: str, op: str, dtype: str, examples: int | None, seed: int
     for _ in range(examples):
         case = gen(ch, dtype)
         try:
-            got = be.to_numpy(x) if be.is_native(x := spec_call(op, target, case)) else x
+            got = _to_host(be, spec_call(op, target, case))
         except PortakernError as exc:
             return {"status": "FAIL", "why": f"{type(exc).__name__}: {exc}"[:2000],
                     "case": case.describe()}
@@ -99,6 +100,13 @@ def run_check(target: str, op: str, dtype: str, examples: int | None, seed: int
     return {"status": "pass", "worst_ratio": worst, "stat_ratio": stat, "examples": examples,
             "seconds": round(time.perf_counter() - t0, 3), "case": worst_case,
             "stat_case": stat_case}
+
+
+def _to_host(be: Any, got: Any) -> Any:
+    """A call's result on host: one array, or a tuple of them (an op with several outputs)."""
+    if isinstance(got, tuple):
+        return tuple(_to_host(be, g) for g in got)
+    return be.to_numpy(got) if be.is_native(got) else got
 
 
 def spec_call(op: str, target: str, case: Any) -> Any:

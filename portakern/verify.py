@@ -46,6 +46,7 @@ import numpy as np
 from . import dtypes
 from .errors import DTypeError, InvalidArgumentError, NotAnArrayError, ShapeError
 from .spec import KernelSpec, Problem
+from .spec_check import output_bounds, spec_error
 from .statmodel import StatModel
 
 ALPHA = 1e-9  # false-alarm probability of the statistical check, per verdict
@@ -138,7 +139,9 @@ def compare_arrays(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[
             msg = f"shape {got64.shape} != expected {ref.shape}"
             return Verdict(False, math.inf, msg, None, None,
                            (Check("worst-case", False, math.inf, None, msg),))
-        if ref.size == 0:
+        if ref.size == 0:  # nothing to judge; the checks the op has, each passed
+            if statistical_model(spec) is None:
+                return Verdict(True, 0.0, "", None, None, (Check("worst-case", True, 0.0),))
             return Verdict(True, 0.0, "", 0.0, None,
                            (Check("worst-case", True, 0.0), Check("statistical", True, 0.0)))
         inputs = {k: v for k, v in x64.items() if v is not None}
@@ -179,29 +182,46 @@ def compare_arrays(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[
 def _compare_outputs(spec: KernelSpec, arrays: Mapping[str, Any], prob: Problem,
                      got: Any) -> Verdict:
     """Each output of a several-output op checked as a one-output op would be: the oracle's
-    tuple once, ``spec.tolerance(prob, inputs, refs)`` a tuple of bounds (or one bound for
-    all), each check named after its output."""
-    names = tuple(prob.outputs or ())
-    if not isinstance(got, tuple) or len(got) != len(names):
-        msg = f"expected a tuple of {len(names)} arrays ({', '.join(names)})"
+    tuple once, ``spec.tolerance(prob, inputs, refs)`` one bound per output
+    (portakern.spec_check.output_bounds: a tuple, a dict by name, or one for all; None, and
+    every int32 output, exact), each check named after its output. An output of the wrong
+    dtype fails its check (portakern never casts silently)."""
+    outs = prob.output_specs
+    names = tuple(outs)
+    if not isinstance(got, (tuple, list)) or len(got) != len(names):
+        what = f"{len(got)} arrays" if isinstance(got, (tuple, list)) else type(got).__name__
+        msg = (f"expected a tuple of {len(names)} arrays ({', '.join(names)}), one per output "
+               f"of {spec.name}; got {what}")
         return Verdict(False, math.inf, msg, None, None,
                        (Check("worst-case", False, math.inf, None, msg),))
     x64 = {k: (v if v is None or v.dtype.kind in "bi" else np.asarray(v).astype(np.float64))
            for k, v in arrays.items()}
     with np.errstate(all="ignore"):
-        refs = tuple(np.asarray(r, dtype=np.float64) for r in
-                     spec.semantics(np, *[x64[o.name] for o in spec.operands], **prob.params))
+        res = spec.semantics(np, *[x64[o.name] for o in spec.operands], **prob.params)
+        if not isinstance(res, (tuple, list)) or len(res) != len(names):
+            n = len(res) if isinstance(res, (tuple, list)) else 1
+            raise spec_error(spec.name, "semantics", f"returns {n} array(s) while validate "
+                             f"declares {len(names)} outputs {list(names)}",
+                             "return a tuple with one array per output, in the order of "
+                             "Problem.outputs")
+        refs = tuple(np.asarray(r, dtype=np.float64) for r in res)
         inputs = {k: v for k, v in x64.items() if v is not None}
-        bounds = spec.tolerance(prob, inputs, refs)
-    if not isinstance(bounds, tuple):
-        bounds = (bounds,) * len(names)
+        bounds = output_bounds(spec.name, outs, spec.tolerance(prob, inputs, refs))
     worst: Verdict | None = None
     checks: list[Check] = []
-    for name, ref, bound, g in zip(names, refs, bounds, got):
-        one = spec.replace(semantics=lambda xp, *a, _r=ref, **k: _r,
-                           tolerance=lambda p, x, r, _b=bound: _b)
-        v = compare_arrays(one, arrays, prob.params, g,
-                           dataclasses.replace(prob, outputs=None, out_shape=ref.shape))
+    for (name, (_, dt)), ref, bound, g in zip(outs.items(), refs, bounds, got):
+        gdt = getattr(g, "dtype", None)
+        if gdt is not None and dtypes.dtype_name(gdt) != dt:
+            msg = (f"has dtype {dtypes.dtype_name(gdt)}; {spec.name} returns {dt} there "
+                   "(portakern never casts silently)")
+            v = Verdict(False, math.inf, msg, None, None,
+                        (Check("worst-case", False, math.inf, None, msg),))
+        else:
+            exact = 0.0 if bound is None else bound  # int32 outputs and None: no error allowed
+            one = spec.replace(semantics=lambda xp, *a, _r=ref, **k: _r,
+                               tolerance=lambda p, x, r, _b=exact: _b)
+            v = compare_arrays(one, arrays, prob.params, g,
+                               dataclasses.replace(prob, outputs=None, out_shape=ref.shape))
         checks += [dataclasses.replace(c, name=f"{name}: {c.name}") for c in v.checks]
         if worst is None or v.worst_ratio > worst.worst_ratio:
             worst = dataclasses.replace(v, where=f"output {name!r} {v.where}")
@@ -297,11 +317,17 @@ def verify(op: str | KernelSpec, *operands: Any, got: Any = None, **params: Any)
                 f"per output ({', '.join(prob.outputs)}); got {type(got).__name__}.")
         got_t = tuple(_host(f"got[{i}]", g, spec.name) for i, g in enumerate(got))
         for (name, (shape, dt)), g in zip(prob.outputs.items(), got_t):
-            if tuple(g.shape) != tuple(shape) or dtypes.dtype_name(g.dtype) != dt:
+            if tuple(g.shape) != tuple(shape):
                 raise ShapeError(
-                    f"verify({spec.name}): output {name!r} has shape {tuple(g.shape)} and dtype "
-                    f"{dtypes.dtype_name(g.dtype)}; expected {tuple(shape)} {dt}, as "
-                    f"{spec.name} of these operands returns.")
+                    f"verify({spec.name}): output {name!r} has shape {tuple(g.shape)}; expected "
+                    f"{tuple(shape)}, as {spec.name} of these operands returns. Pass the "
+                    "outputs of the same call, in order.")
+            if dtypes.dtype_name(g.dtype) != dt:
+                raise DTypeError(
+                    f"verify({spec.name}): output {name!r} has dtype "
+                    f"{dtypes.dtype_name(g.dtype)}; expected {dt}, as {spec.name} of these "
+                    f"operands returns. Cast it: got[{list(prob.outputs).index(name)}]"
+                    f".astype({dt!r}) is what a {dt} result would hold.")
         return compare_arrays(spec, host, prob.params, got_t, prob)
     got_h = _host("got", got, spec.name)
     if tuple(got_h.shape) != tuple(prob.out_shape):
