@@ -11,12 +11,20 @@ deep inside a backend on some other machine. ``check_spec`` is what ``register_o
   defined in ``source`` with ``PK_KERNEL void name(``), cost, and the semantics' output shape;
 * with ``check=True`` also: the example problem compiled on every available C-kernel backend
   (every device, every dtype it supports, both schedules), through NVRTC for CUDA when the cuda
-  backend cannot run here but NVRTC is importable, and the semantics traced by jax.numpy.
+  backend cannot run here but NVRTC is importable, the semantics traced by jax.numpy, and a
+  few cases of the spec's own generator (``cases``, else the derived one) per dtype run
+  against the float64 oracle: each must be accepted by validate and the oracle's result,
+  rounded to the op's dtype (the numpy backend), must pass the spec's own tolerance.
+
+Several outputs (``Problem.outputs``), int32 operands and int parameters go through all of
+these like any other spec: each output is traced, shaped and judged on its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+
+import numpy as np
 
 from . import dtypes
 from . import spec_check as _core
@@ -41,6 +49,8 @@ def check_spec(spec: KernelSpec, *, compile: bool = False) -> None:
     if compile and first is not None:
         compile_everywhere(spec, problems)
         _trace_with_jax(spec, first)
+    if compile:
+        check_cases(spec, problems)
 
 
 # --- compiling at registration ---------------------------------------------------------------
@@ -120,7 +130,8 @@ def _nvrtc_compile(spec: KernelSpec, problems: Mapping[str, Problem]) -> list[st
 
 
 def _trace_with_jax(spec: KernelSpec, prob: Problem) -> None:
-    """The semantics must trace under jax.numpy (no in-place writes, no numpy-only calls)."""
+    """The semantics must trace under jax.numpy (no in-place writes, no numpy-only calls) and
+    give every output its declared shape."""
     from . import backends as registry
 
     try:
@@ -134,21 +145,75 @@ def _trace_with_jax(spec: KernelSpec, prob: Problem) -> None:
     if prob.empty_result:
         return
     st = dtypes.info(prob.dtype).storage
+    kind_dtype = {"bool": bool, "int32": np.int32}
     structs = [None if prob.shapes.get(o.name) is None else jax.ShapeDtypeStruct(
-        prob.shapes[o.name], bool if o.kind == "bool" else st) for o in spec.operands]
+        prob.shapes[o.name], kind_dtype.get(o.kind, st)) for o in spec.operands]
+    out_dtypes = None if prob.outputs is None else tuple(d for _, d in prob.outputs.values())
     try:
-        out = jax.eval_shape(lower_semantics(spec, prob.params, prob.dtype), *structs)
+        out = jax.eval_shape(lower_semantics(spec, prob.params, prob.dtype, out_dtypes),
+                             *structs)
     except Exception as exc:
         raise spec_error(spec.name, "semantics", f"does not trace with jax.numpy as xp "
                          f"({type(exc).__name__}: {exc})", "use only xp.* array-API calls: no "
-                         "in-place assignment, no np.* calls, no Python branches on values"
+                         "in-place assignment, no np.* calls, no Python branches on values; "
+                         "with several outputs return a tuple, one array per output"
                          ) from exc
-    if tuple(out.shape) != tuple(prob.out_shape):
-        raise spec_error(spec.name, "semantics", f"gives shape {tuple(out.shape)} under jax; "
-                         f"validate promises {tuple(prob.out_shape)}",
-                         "make the semantics and validate's out_shape agree")
+    outs = (out,) if prob.outputs is None else tuple(out)
+    for (name, (shape, _)), o in zip(prob.output_specs.items(), outs):
+        if tuple(o.shape) != tuple(shape):
+            what = "out_shape" if prob.outputs is None else f"output {name!r} of shape"
+            raise spec_error(spec.name, "semantics", f"gives shape {tuple(o.shape)} under jax; "
+                             f"validate promises {what} {tuple(shape)}",
+                             "make the semantics and validate's out_shape/outputs agree")
 
 
-__all__ = ["check_spec", "compile_everywhere", "derived_cases", "example_inputs",
+# --- the spec's cases against the oracle -----------------------------------------------------
+CASES_PER_DTYPE = 3  # cases drawn per dtype at registration (check=True): small, seeded
+
+
+def check_cases(spec: KernelSpec, problems: Mapping[str, Problem],
+                per_dtype: int = CASES_PER_DTYPE) -> int:
+    """Draw ``per_dtype`` cases per dtype the op takes from the spec's own generator
+    (``cases``, else the one derived from ``shapes``/``example``) and hold the float64
+    oracle's result, rounded to the dtype (the numpy backend), to the spec's own tolerance.
+
+    What it catches at registration, not in a conformance run on another machine: a generator
+    that raises or draws calls validate refuses (e.g. an index table that is not int32), a
+    semantics whose outputs disagree with validate's, and a tolerance too tight to hold even
+    the correctly rounded answer (a missing output-rounding term). Returns the cases run."""
+    from .api import call
+    from .cases import compare
+    from .sampling import NumpyChooser
+
+    gen = spec.cases if spec.cases is not None else derived_cases(spec)
+    if gen is None:
+        return 0
+    ran = 0
+    for dt in problems:
+        for i in range(per_dtype):
+            ch = NumpyChooser(np.random.default_rng([i, len(dt), 0x5EC]))
+            try:
+                case = gen(ch, dt)
+                arrays, params = spec.bind((), {**case.arrays, **case.params})
+                spec.problem(arrays, params)
+            except Exception as exc:
+                raise spec_error(spec.name, "cases", f"{dt} case {i} drawn by the generator was "
+                                 f"refused: {type(exc).__name__}: {exc}",
+                                 "make cases(chooser, dtype) return Case({operand: array}, "
+                                 "{param: value}) that validate accepts: arrays in the op's "
+                                 "dtype, int32 index tables as int32 with valid indices") from exc
+            got = call(spec, backend="numpy", **case.arrays, **case.params)
+            v = compare(spec, case, got)
+            if not v.ok:
+                raise spec_error(spec.name, "tolerance", f"the float64 oracle rounded to {dt} "
+                                 f"fails the spec's own bound on {case.describe()}: "
+                                 f"{v.where}\n{v}", "include the output's rounding "
+                                 "(p.info.unit_roundoff * |ref|) and an underflow floor in "
+                                 "each bound; see portakern/ops/rmsnorm.py")
+            ran += 1
+    return ran
+
+
+__all__ = ["check_cases", "check_spec", "compile_everywhere", "derived_cases", "example_inputs",
            "example_problem", "kernel_names", "representative_maker", "shape_family",
            "spec_error"]
