@@ -4,12 +4,15 @@ s = y.sum(-1) (M,). Launch 1 gathers into y; launch 2 reads y (written by launch
 reduces it into s. An index out of range gives a NaN row and a NaN sum: the kernel never
 reads outside x (docs/add-a-kernel.md, "Several outputs, int32 tables").
 
-The op is passed to ``pk.call`` as a KernelSpec (no registration): nothing else sees it.
+The op is passed to ``pk.call`` as a KernelSpec (no registration): nothing else sees it. The
+last tests register it (with an example, its own index-drawing ``cases`` and a bound per output
+that holds in every dtype) through ``pk.register_op(spec, check=True)`` and run it by name;
+tests/test_multi_output_user_ops.py does the same for a three-output op at length.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -19,6 +22,8 @@ import portakern as pk
 from portakern import dtypes
 from portakern.errors import AliasingError
 from portakern.plan import PLANS, plan_for
+from portakern.cases import Case, compare
+from portakern.sampling import Chooser, normal
 from portakern.spec import ArrayMeta
 
 SOURCE = """
@@ -252,3 +257,65 @@ def test_compiles_for_cuda_under_nvrtc(dt: str) -> None:
         pytest.fail(nvrtc.getProgramLog(prog))
     ptx = bytes(nvrtc.getPTX(prog)).decode()
     assert "gather_rows" in ptx and "row_sums" in ptx
+
+
+# --- registered: pk.register_op(check=True), then by name through the public paths ---------
+def _cases(ch: Chooser, dtype: str) -> Case:
+    """Valid indices (idx + offset in range) with a few out of range on purpose."""
+    n, d, rows = ch.choice((1, 3, 7)), ch.choice((1, 5, 17)), ch.choice((1, 4, 33))
+    offset = ch.choice((0, -1, 2))
+    rng = np.random.default_rng(ch.seed())
+    idx = rng.integers(0, n, rows) - offset
+    idx[rng.random(rows) < 0.1] = n - offset
+    return Case({"x": normal(rng, (n, d), dtype), "idx": idx.astype(np.int32)},
+                {"offset": offset})
+
+
+def _tolerance(p: pk.Problem, x: dict[str, np.ndarray], refs: tuple[np.ndarray, ...]
+               ) -> tuple[Any, np.ndarray]:
+    """y: a gather, exact (None); s: D terms summed in the compute type, rounded to storage."""
+    y, s = refs
+    u = float(np.finfo(p.info.compute).eps) / 2
+    return None, (p.derived["D"] * u * np.abs(y).sum(-1) + p.info.unit_roundoff * np.abs(s)
+                  + p.info.subnormal)
+
+
+def _example(dt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    return {"x": ArrayMeta((100, 64), dt), "idx": ArrayMeta((256,), "int32")}, {"offset": 0}
+
+
+@pytest.fixture(scope="module")
+def registered() -> Iterator[pk.KernelSpec]:
+    spec = pk.register_op(SPEC.replace(name="gather_rows_reg", tolerance=_tolerance,
+                                       example=_example, cases=_cases), check=True)
+    try:
+        yield spec
+    finally:
+        pk.unregister_op(spec.name)
+
+
+def test_registered_op_by_name_call_verify_and_check(registered: pk.KernelSpec,
+                                                     target: str) -> None:
+    if not _host_target(target):
+        pytest.skip("numpy, opencl and jax are the targets of this test")
+    from portakern.conformance import run_check
+
+    x, idx = _inputs(5)
+    got = pk.call("gather_rows_reg", x, idx, offset=-1, backend=target)
+    _check(got, x, idx, -1)
+    assert pk.verify("gather_rows_reg", x, idx, offset=-1, got=got).ok
+    assert compare(registered, Case({"x": x, "idx": idx}, {"offset": -1}), got).ok
+    for dt in ("float32", "float16"):
+        r = run_check(target, "gather_rows_reg", dt, 3, 0)
+        assert r["status"] in ("pass", "n/a"), r
+
+
+def test_a_bound_too_tight_for_float16_is_refused_at_registration() -> None:
+    """SPEC's own bound (1e-5 relative) holds in float32 only: check=True runs the spec's cases
+    in every dtype against the oracle and names the dtype, the output and the fix."""
+    with pytest.raises(pk.SpecError) as info:
+        pk.register_op(SPEC.replace(name="gather_rows_tight", example=_example, cases=_cases),
+                       check=True)
+    msg = str(info.value)
+    assert "field `tolerance`" in msg and "float16" in msg and "output 's'" in msg, msg
+    assert "unit_roundoff" in msg and "gather_rows_tight" not in pk.ops.OPS
