@@ -20,9 +20,9 @@ import pytest
 
 import portakern as pk
 from portakern import dtypes
+from portakern.cases import Case, compare
 from portakern.errors import AliasingError
 from portakern.plan import PLANS, plan_for
-from portakern.cases import Case, compare
 from portakern.sampling import Chooser, normal
 from portakern.spec import ArrayMeta
 
