@@ -13,11 +13,11 @@ Ampere, Hopper) here, with the same options the cuda backend uses at run time
 prints the CompileError, which carries the numbered rendered source and the NVRTC log.
 
 Rendering needs a Problem, and a Problem needs operand shapes: ``representative_problems``
-builds them from shape/dtype stand-ins (no data). Built-in ops have a table below, chosen to
-cover what changes the rendered source (dtype, schedule, head dims 64/40/80/111/128 for
-attention) plus a masked causal variant (the same source: mask and causal are run-time
-flags); a user op's spec renders its own example (or one from its ``shapes``), or registers more
-with ``register_representative``.
+builds them from shape/dtype stand-ins (no data) that each op's spec declares in its
+``examples`` field, chosen to cover what changes the rendered source (dtype, schedule, head
+dims 64/40/80/111/128 for attention, plus a masked causal variant: the same source, mask and
+causal are run-time flags). A spec without ``examples`` renders its ``example`` (or one from
+its ``shapes``). Built-in and user ops are read the same way; nothing here names an op.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .backends.cuda import COMPUTE_ARCHS, normalize_arch  # noqa: F401 (re-expor
 from .errors import BackendUnavailable, CompileError, InvalidArgumentError, PortakernError
 from .ops import OPS, get_op
 from .spec import KernelSpec, Problem
-from .spec_check import representative_maker
+from .spec_check import example_inputs
 
 DEFAULT_ARCHS: tuple[str, ...] = COMPUTE_ARCHS  # compute_70, 80, 90
 DEFAULT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
@@ -61,54 +61,41 @@ def meta(shape: Sequence[int], dtype: Any) -> types.SimpleNamespace:
     return types.SimpleNamespace(shape=tuple(shape), dtype=dtype)
 
 
-def _matmul(dt: Any) -> list[Representative]:
-    return [("a(2,64,48)@b(48,80)", {"a": meta((2, 64, 48), dt), "b": meta((48, 80), dt)}, {})]
-
-
-def _softmax(dt: Any) -> list[Representative]:
-    return [("x(8,1000)", {"x": meta((8, 1000), dt)}, {})]
-
-
-def _attention(dt: Any) -> list[Representative]:
-    def qkv(d: int) -> dict[str, object]:
-        return {"q": meta((1, 4, 128, d), dt), "k": meta((1, 2, 128, d), dt),
-                "v": meta((1, 2, 128, d), dt)}
-
-    out: list[Representative] = [("gqa d64", qkv(64), {})]
-    out += [(f"d{d}", qkv(d), {}) for d in (40, 80, 111, 128)]
-    masked = qkv(64)
-    masked["mask"] = meta((1, 1, 128, 128), "bool")
-    out.append(("d64 mask causal", masked, {"causal": True}))
-    return out
-
-
-_REPRESENTATIVE: dict[str, ProblemMaker] = {
-    "matmul": _matmul, "softmax": _softmax, "attention": _attention,
-}
-
-
-def register_representative(op: str, maker: ProblemMaker) -> None:
-    """Give a user op the shapes the compile check renders it with.
+def register_representative(op: str, maker: ProblemMaker) -> KernelSpec:
+    """Give a registered op the shapes the compile check renders it with (kept for callers
+    of earlier versions; prefer the spec's own ``examples`` field).
 
     ``maker(storage_dtype)`` returns [(label, {operand: meta(shape, dtype)}, {param: value})].
+    The op is re-registered with ``examples`` built from ``maker``; the new spec is returned.
     """
-    _REPRESENTATIVE[op] = maker
+    from .ops import register_op
+
+    def examples(dtype: str) -> list[Representative]:
+        return list(maker(dtypes.info(dtype).storage))
+
+    return register_op(get_op(op).replace(examples=examples), replace=True)
+
+
+def spec_examples(spec: KernelSpec, dtype: str) -> list[Representative]:
+    """The representative calls of ``spec`` in ``dtype``: its ``examples``, else its example
+    (or one from its ``shapes``) labelled 'example', else none."""
+    name = dtypes.info(dtype).name
+    if spec.examples is not None:
+        return [(str(label), dict(arrays), dict(params))
+                for label, arrays, params in spec.examples(name)]
+    got = example_inputs(spec, name)
+    return [] if got is None else [("example", got[0], got[1])]
 
 
 def representative_problems(spec: KernelSpec, dtype: str = "float32"
                             ) -> list[tuple[str, Problem]]:
     """Validated Problems that exercise what changes ``spec``'s rendered source.
 
-    Empty when the op has no table entry (the check then reports it as skipped, not passed).
+    Empty when the spec gives no ``examples``, ``example`` or ``shapes`` (the check then
+    reports it as skipped, not passed).
     """
-    maker = _REPRESENTATIVE.get(spec.name)
-    if maker is None and (spec.example is not None or spec.shapes is not None):
-        maker = representative_maker(spec)  # the spec's own example
-    if maker is None:
-        return []
-    st = dtypes.info(dtype).storage
     out = []
-    for label, arrays, params in maker(st):
+    for label, arrays, params in spec_examples(spec, dtype):
         arrs, prms = spec.bind((), {**arrays, **params})
         out.append((label, spec.problem(arrs, prms)))
     return out
@@ -336,7 +323,7 @@ def compile_case(case: CompileCase, options: Sequence[str] | None = None) -> Com
         return CompileResult(case, "FAIL", error=case.error, note="rendering failed")
     if not case.source:
         return CompileResult(case, "skip", note=f"no representative problem for {case.op!r}; "
-                             "add one with compile_check.register_representative")
+                             "give its KernelSpec `examples` (or `example`)")
     opts = tuple(base_options() if options is None else options)
     key = _memo_key(case, opts)
     prev = _MEMO.get(key)
@@ -573,7 +560,7 @@ def compile_case_hip(case: CompileCase) -> CompileResult:
         return CompileResult(case, "FAIL", error=case.error, note="rendering failed")
     if not case.source:
         return CompileResult(case, "skip", note=f"no representative problem for {case.op!r}; "
-                             "add one with compile_check.register_representative")
+                             "give its KernelSpec `examples` (or `example`)")
     key = (hashlib.sha256(case.source.encode()).hexdigest(), case.arch)
     prev = _HIP_MEMO.get(key)
     if prev is not None:

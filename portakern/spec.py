@@ -201,10 +201,18 @@ class KernelSpec:
     # NaN/inf there must match exactly whatever the bound (an inf operand can make it +inf).
     unspecified_nonfinite: bool = False
     # --- optional, for user-defined ops (docs/add-a-kernel.md); checked by register_op ------
-    # example(dtype) -> ({operand: array or ArrayMeta(shape, dtype)}, {param: value}): a typical
-    # call, rendered by `portakern show`, compiled by register_op(check=True) and by
-    # `portakern check --compile-only`, and used to check the spec's functions at registration.
-    example: Callable[[str], tuple[dict[str, Any], dict[str, Any]]] | None = None
+    # example(dtype, **sizes) -> ({operand: array or ArrayMeta(shape, dtype)}, {param: value}):
+    # a typical call, rendered by `portakern show` and measured by `portakern tune`, compiled by
+    # register_op(check=True) (and by the compile-only checks when `examples` is absent), and
+    # used to check the spec's functions at registration. Keyword size parameters with defaults
+    # (example(dtype, *, M=256, N=256)) are what `--shape M=512` sets; names it lacks are ignored.
+    example: Callable[..., tuple[dict[str, Any], dict[str, Any]]] | None = None
+    # examples(dtype) -> [(label, {operand: ArrayMeta or array}, {param: value}), ...]: the
+    # representative calls the compile-only checks (NVRTC, hipcc) and `portakern resources`
+    # render, chosen to cover what changes the rendered source (dtype aside: each dtype is
+    # asked for). Absent: [("example", the example)], or nothing without example/shapes.
+    examples: Callable[[str], Sequence[tuple[str, Mapping[str, Any], Mapping[str, Any]]]] \
+        | None = None
     # cases(chooser, dtype) -> Case: the generator the shared suite and `portakern check` draw
     # from. Absent: one is derived from `shapes` (or from the example's shapes).
     cases: Callable[[Chooser, str], Case] | None = None

@@ -463,6 +463,34 @@ def pallas_build(problem: Problem, interpret: bool, **kw: Any) -> Any:
     kw.setdefault("semantics", semantics)
     return attention_pallas.build(problem, interpret, **kw)
 
+# --- representative calls: what `portakern show`/`tune` render and the compile checks compile
+Example = tuple[str, dict[str, Any], dict[str, Any]]
+
+
+def example(dtype: str, *, B: int = 1, H: int = 8, Hkv: int = 8, Sq: int = 128, Sk: int = 128,
+            D: int = 64, Dv: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A typical call; ``--shape D=80,Dv=64`` sets the sizes (head dims are compile-time
+    constants of the kernel). Dv=0: Dv = D."""
+    dv = Dv or D
+    return ({"q": ArrayMeta((B, H, Sq, D), dtype), "k": ArrayMeta((B, Hkv, Sk, D), dtype),
+             "v": ArrayMeta((B, Hkv, Sk, dv), dtype), "mask": None},
+            {"causal": False, "scale": None})
+
+
+def examples(dtype: str) -> list[Example]:
+    """The compile checks' calls: every head dim that changes the source (64 with GQA, then
+    40, 80, 111, 128), and a masked causal call (the same source: run-time flags)."""
+    def qkv(d: int) -> dict[str, Any]:
+        return {"q": ArrayMeta((1, 4, 128, d), dtype), "k": ArrayMeta((1, 2, 128, d), dtype),
+                "v": ArrayMeta((1, 2, 128, d), dtype)}
+
+    out: list[Example] = [("gqa d64", qkv(64), {})]
+    out += [(f"d{d}", qkv(d), {}) for d in (40, 80, 111, 128)]
+    out.append(("d64 mask causal", {**qkv(64), "mask": ArrayMeta((1, 1, 128, 128), "bool")},
+                {"causal": True}))
+    return out
+
+
 SPEC = KernelSpec(
     name="attention",
     operands=(Operand("q"), Operand("k"), Operand("v"),
@@ -494,5 +522,7 @@ SPEC = KernelSpec(
     # summation order decide whether a score with +inf and -inf terms is NaN or +-inf
     unspecified_nonfinite=True,
     cases=attention_case,
+    example=example,
+    examples=examples,
     doc="Fused attention with online softmax; GQA, causal and boolean masks.",
 )

@@ -277,6 +277,23 @@ def matmul_case(ch: Chooser, dtype: str) -> Case:
     return Case({"a": a, "b": b}, {}, f"{shape_kind}, {values}")
 
 
+# --- representative calls: what `portakern show`/`tune` render and the compile checks compile
+Example = tuple[str, dict[str, Any], dict[str, Any]]
+
+
+def example(dtype: str, *, M: int = 256, N: int = 256, K: int = 256
+            ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A typical call, (M, K) @ (K, N); ``--shape M=..,N=..,K=..`` sets the sizes."""
+    return {"a": ArrayMeta((M, K), dtype), "b": ArrayMeta((K, N), dtype)}, {}
+
+
+def examples(dtype: str) -> list[Example]:
+    """The compile checks' call: a batched ``a`` against a 2-D ``b``, no size a tile multiple
+    (the source changes with dtype and schedule only)."""
+    return [("a(2,64,48)@b(48,80)",
+             {"a": ArrayMeta((2, 64, 48), dtype), "b": ArrayMeta((48, 80), dtype)}, {})]
+
+
 SPEC = KernelSpec(
     name="matmul",
     operands=(Operand("a"), Operand("b")),
@@ -301,5 +318,7 @@ SPEC = KernelSpec(
     config_check=config_check,
     workspace=workspace,
     cases=matmul_case,
+    example=example,
+    examples=examples,
     doc="Batched matrix product with float32 (float64 for float64) accumulation.",
 )

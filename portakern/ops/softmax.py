@@ -172,6 +172,17 @@ def softmax_case(ch: Chooser, dtype: str) -> Case:
     return Case({"x": x}, {"axis": axis}, kind)
 
 
+# --- representative calls: what `portakern show`/`tune` render and the compile checks compile
+def example(dtype: str, *, R: int = 64, N: int = 1024) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A typical call: R rows of N along the last axis; ``--shape R=..,N=..`` sets them."""
+    return {"x": ArrayMeta((R, N), dtype)}, {"axis": -1}
+
+
+def examples(dtype: str) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """The compile checks' call (the source changes with dtype and schedule only)."""
+    return [("x(8,1000)", {"x": ArrayMeta((8, 1000), dtype)}, {})]
+
+
 SPEC = KernelSpec(
     name="softmax",
     operands=(Operand("x"),),
@@ -193,5 +204,7 @@ SPEC = KernelSpec(
     schedules={"gpu": {"WG": 256, "VEC": 1, "UNROLL": 1, "STORE_EXP": 0},
                "cpu": {"WG": 1, "VEC": 16, "UNROLL": 4, "STORE_EXP": 1}},
     cases=softmax_case,
+    example=example,
+    examples=examples,
     doc="Numerically stable softmax along any axis, fused into one kernel.",
 )
