@@ -1,12 +1,14 @@
 """`portakern show OP --backend B`: the exact source a backend compiles for an op.
 
-The representative problem (sizes) only matters where sizes are compile-time constants
-(attention's head dims); ``--shape 'D=80,Dv=64'`` changes them.
+The representative problem is the op spec's ``example``; its sizes only matter where they are
+compile-time constants (attention's head dims). ``--shape 'D=80,Dv=64'`` sets the size
+keywords the example takes (or the size names of a ``shapes`` family).
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
 from . import backends as registry
@@ -14,16 +16,7 @@ from . import codegen, dtypes
 from .errors import InvalidArgumentError
 from .ops import get_op
 from .spec import KernelSpec, Problem
-
-DEFAULT_SIZES: dict[str, dict[str, int]] = {
-    "matmul": {"M": 256, "N": 256, "K": 256},
-    "softmax": {"R": 64, "N": 1024},
-    "attention": {"B": 1, "H": 8, "Hkv": 8, "Sq": 128, "Sk": 128, "D": 64, "Dv": 0},
-}
-
-
-def _meta(shape: tuple[int, ...], dtype: Any) -> SimpleNamespace:
-    return SimpleNamespace(shape=shape, dtype=dtype)
+from .spec_check import example_inputs
 
 
 def parse_sizes(text: str | None) -> dict[str, int]:
@@ -40,31 +33,44 @@ def parse_sizes(text: str | None) -> dict[str, int]:
     return out
 
 
+def size_names(example: Any) -> frozenset[str] | None:
+    """The size keywords an ``example(dtype, **sizes)`` takes (None: any, it has **kwargs)."""
+    try:
+        sig = inspect.signature(example)
+    except (TypeError, ValueError):
+        return frozenset()
+    names = []
+    for i, p in enumerate(sig.parameters.values()):
+        if p.kind is p.VAR_KEYWORD:
+            return None
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and i > 0:
+            names.append(p.name)
+    return frozenset(names)
+
+
+def example_call(spec: KernelSpec, dtype: str, sizes: Mapping[str, int] | None = None
+                 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The spec's typical call (operand stand-ins, params) with ``sizes`` applied: its
+    ``example`` given the size keywords it takes (others are ignored), else its ``shapes``
+    family with ``sizes`` setting size names. None when the spec gives neither."""
+    if spec.example is not None:
+        takes = size_names(spec.example)
+        kw = {k: int(v) for k, v in (sizes or {}).items() if takes is None or k in takes}
+        arrays, params = spec.example(dtypes.info(dtype).name, **kw)
+        return dict(arrays), dict(params)
+    return example_inputs(spec, dtype, sizes)
+
+
 def representative_problem(spec: KernelSpec, dtype: str, sizes: dict[str, int] | None = None
                            ) -> Problem:
-    """A Problem of typical size for an op (built-in ops; user specs give `example`)."""
-    dt = dtypes.info(dtype).storage
-    s = {**DEFAULT_SIZES.get(spec.name, {}), **(sizes or {})}
-    if spec.name == "matmul":
-        arrays = {"a": _meta((s["M"], s["K"]), dt), "b": _meta((s["K"], s["N"]), dt)}
-        params: dict[str, Any] = {}
-    elif spec.name == "softmax":
-        arrays, params = {"x": _meta((s["R"], s["N"]), dt)}, {"axis": -1}
-    elif spec.name == "attention":
-        dv = s["Dv"] or s["D"]
-        arrays = {"q": _meta((s["B"], s["H"], s["Sq"], s["D"]), dt),
-                  "k": _meta((s["B"], s["Hkv"], s["Sk"], s["D"]), dt),
-                  "v": _meta((s["B"], s["Hkv"], s["Sk"], dv), dt), "mask": None}
-        params = {"causal": False, "scale": None}
-    else:  # user ops: their `example`, or their `shapes` family with --shape overriding names
-        from .spec_tools import example_inputs
-
-        got = example_inputs(spec, dtype, sizes)
-        if got is None:
-            raise InvalidArgumentError(f"op {spec.name!r} has no representative problem; give "
-                                       "its KernelSpec an `example` or `shapes` (see "
-                                       "docs/add-a-kernel.md).")
-        arrays, params = got
+    """A Problem of typical size for an op: its spec's ``example`` (or ``shapes``), sized by
+    ``sizes`` (``--shape``). Built-in and user ops alike; nothing here names an op."""
+    got = example_call(spec, dtype, sizes)
+    if got is None:
+        raise InvalidArgumentError(f"op {spec.name!r} has no representative problem; give "
+                                   "its KernelSpec an `example` or `shapes` (see "
+                                   "docs/add-a-kernel.md).")
+    arrays, params = got
     bound, par = spec.bind((), {**arrays, **params})
     return spec.problem(bound, par)
 
