@@ -103,6 +103,30 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class PallasKernel:
+    """An op's Pallas kernel (the jax backend's ``jax:pallas`` path) with its block tunables as
+    data, so the backend names no op's blocks. Calling it calls ``build``.
+
+    * ``build(problem, interpret, *, platform, reference, **blocks)`` -> a function of the
+      operands (jax arrays) giving the result;
+    * ``tunables``: the block sizes ``build`` takes as keywords (``config={name: value}`` on
+      the Pallas path), each with its domain;
+    * ``aliases``: C-kernel tunable -> Pallas tunable it stands for (attention: BQ -> block_q),
+      so one ``config=`` works on every backend; the value is checked against both;
+    * ``check(platform, blocks)``: optional platform-level validation of the chosen blocks
+      (raises InvalidArgumentError), run before tracing.
+    """
+
+    build: Callable[..., Any]
+    tunables: tuple[Tunable, ...] = ()
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    check: Callable[[str, Mapping[str, int]], Any] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.build(*args, **kwargs)
+
+
+@dataclass(frozen=True)
 class Cost:
     flops: float
     bytes: float  # compulsory main-memory traffic: inputs read once, outputs written once
@@ -188,7 +212,9 @@ class KernelSpec:
     tunables: tuple[Tunable, ...] = ()
     schedules: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # 'cpu' / 'gpu'
     config_check: Callable[[Problem | None, Mapping[str, int]], str | None] | None = None
-    pallas: Any = None  # optional: builds a Pallas kernel (see portakern/backends/jax.py)
+    # optional: the Pallas kernel (jax:pallas path), a PallasKernel (block tunables declared)
+    # or a bare callable build(problem, interpret, *, platform, reference) taking no blocks
+    pallas: PallasKernel | Callable[..., Any] | None = None
     # optional: workspace(problem, cfg) -> {buffer name: (elements, dtype name)}: device
     # scratch the launches use (e.g. a packed copy of an operand), named in Launch args as
     # Buf(name). C-kernel backends allocate it per call; array backends never see it.

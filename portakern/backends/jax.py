@@ -457,24 +457,30 @@ class JaxBackend(Backend):
 
     def _pallas_blocks(self, spec: KernelSpec, prob: Problem,
                        config: Mapping[str, int] | None) -> dict[str, int]:
-        """config for the Pallas path: block_q/block_k, or the C kernel's BQ/BK as aliases."""
+        """config for the Pallas path: the block tunables the spec's Pallas kernel declares
+        (``PallasKernel.tunables``), or the C-kernel tunables it names as their aliases."""
         if not config:
             return {}
-        alias = {"BQ": "block_q", "BK": "block_k"}
+        kernel = spec.pallas
+        known = {t.name: t for t in getattr(kernel, "tunables", ())}
+        alias = dict(getattr(kernel, "aliases", None) or {})
+        what = f"{spec.name} (Pallas)"
         out: dict[str, int] = {}
         for k, v in config.items():
-            if k in alias:
+            if k in alias and alias[k] in known:
                 spec.config(self.device_class, {k: v}, prob)
-                out[alias[k]] = int(v)
-            elif k in ("block_q", "block_k"):
-                out[k] = v
+                out[alias[k]] = known[alias[k]].check(v, what)
+            elif k in known:
+                out[k] = known[k].check(v, what)
             else:
+                takes = " and ".join(known) or "no tunables"
+                also = f" (or {'/'.join(alias)})" if alias else ""
                 raise InvalidArgumentError(
                     f"{spec.name} on {self.label}: unknown tunable {k!r}; the Pallas kernel "
-                    "takes block_q and block_k (or BQ/BK).")
-        from portakern.ops.attention_pallas import block_config
-
-        block_config(self.device.kind, out)  # validate domains now, not at trace time
+                    f"takes {takes}{also}.")
+        check = getattr(kernel, "check", None)
+        if check is not None:
+            check(self.device.kind, out)  # validate for the platform now, not at trace time
         return out
 
     def execute(self, spec: KernelSpec, prob: Problem, ins: dict[str, Any],

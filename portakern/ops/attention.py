@@ -45,6 +45,7 @@ from ..spec import (
     KernelSpec,
     Launch,
     Operand,
+    PallasKernel,
     Problem,
     Scalar,
     Tunable,
@@ -517,7 +518,9 @@ SPEC = KernelSpec(
                # CPU: RQ=4 (16 queries per item): their scaled rows (4 KiB) and a 16 KiB K
                # tile and V tile stay nearer L1 than with RQ=8 (8 KiB of rows)
                "cpu": {"BQ": 1, "BK": 64, "TQ": 4, "RQ": 4, "VEC": 16, "PACK_KV": 1}},
-    pallas=pallas_build,
+    pallas=PallasKernel(pallas_build, tunables=attention_pallas.TUNABLES,
+                        aliases={"BQ": "block_q", "BK": "block_k"},
+                        check=attention_pallas.block_config),
     # the range rule's rows are unspecified whatever the oracle gives, NaN included: FMA or
     # summation order decide whether a score with +inf and -inf terms is NaN or +-inf
     unspecified_nonfinite=True,
