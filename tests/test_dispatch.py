@@ -167,3 +167,65 @@ def test_the_planned_runner_still_checks_every_call(op: str, bad: str) -> None:
     assert needle in str(info.value), str(info.value)
     got = pk.call(op, *devs, **kw, out=good)  # the runner still serves good calls
     assert got is good
+
+
+@pytest.mark.parametrize("op", sorted(RUNNER_CASES))
+@pytest.mark.parametrize("dt", ["float32", "float16"])
+def test_the_planned_runner_computes_each_calls_answer(op: str, dt: str) -> None:
+    """The runner (its own kernel objects with the plan's scalars set once, buffers set per
+    call, a kept workspace) must compute every call on that call's arrays: several calls of
+    one plan, new data each time, with and without out=, each against the numpy oracle."""
+    be = _kernel_backend()
+    hosts, kw, shape = RUNNER_CASES[op]
+    st = np.float16 if dt == "float16" else f32
+    rng = np.random.default_rng(7)
+    spec = get_op(op)
+    calls = 0
+    for i in range(4):
+        data = [rng.standard_normal(h.shape).astype(st) for h in hosts]
+        devs = [be.to_native(d) for d in data]
+        out = be.empty(shape, dt) if i % 2 else None
+        got = pk.call(op, *devs, **kw, out=out)
+        if out is not None:
+            assert got is out
+        want = pk.call(op, *[d.astype(np.float64) for d in data], **kw, backend="numpy")
+        tol = 2e-2 if dt == "float16" else 1e-5
+        np.testing.assert_allclose(be.to_numpy(got).astype(np.float64), want, rtol=tol,
+                                   atol=tol, err_msg=f"{op} {dt} call {i}")
+        plan = pkplan.PLANS.lookup(pkplan.plan_key(spec, devs, kw))
+        calls += plan is not None and plan.runner is not None
+    assert calls >= 3, f"{op} {dt}: the runner served {calls} of the calls"
+
+
+@pytest.mark.parametrize("op", ["matmul", "attention"])
+def test_threads_sharing_a_plan_and_its_kept_workspace_get_their_own_answers(op: str) -> None:
+    """matmul and attention keep a small workspace per plan (a pack kernel writes it, the
+    main kernel reads it): calls from several threads on one plan must never read another
+    call's packed copy."""
+    import threading
+
+    be = _kernel_backend()
+    hosts, kw, _ = RUNNER_CASES[op]
+    rng = np.random.default_rng(5)
+    datas = [[rng.standard_normal(h.shape).astype(f32) for h in hosts] for _ in range(4)]
+    wants = [pk.call(op, *[d.astype(np.float64) for d in data], **kw, backend="numpy")
+             for data in datas]
+    devs = [[be.to_native(d) for d in data] for data in datas]
+    pk.call(op, *devs[0], **kw)
+    pk.call(op, *devs[0], **kw)  # the runner exists before the threads start
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        outs = [pk.call(op, *devs[t], **kw) for _ in range(50)]
+        for o in outs:
+            got = be.to_numpy(o).astype(np.float64)
+            if not np.allclose(got, wants[t], rtol=1e-4, atol=1e-5):
+                errors.append(f"thread {t}: max error {np.max(np.abs(got - wants[t])):.3g}")
+                return
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors

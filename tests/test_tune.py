@@ -186,7 +186,8 @@ def test_stale_entry_is_ignored(db: Path, be: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", TuningWarning)  # stale is normal: ignored silently
         assert tune.lookup(be, changed, prob) is None
-        assert tuned.config_for(be, changed, prob, None) == changed.config(be.device_class, None, prob)
+        assert tuned.config_for(be, changed, prob) == changed.config(be.device_class, None,
+                                                                      prob)
     # an entry recorded for another kernel source is listed as stale
     other = _entry(be, MATMUL, prob, cfg)
     other["source_hash"] = "0123456789abcdef"
@@ -245,7 +246,7 @@ def test_malformed_entries_warn_and_fall_back(db: Path, be: Any, damage: str) ->
     tune.store_for(tune.device_key(tune.fingerprint(be))).put(key, payload)
     tune.invalidate()
     with pytest.warns(TuningWarning, match="ignored entry"):
-        assert tuned.config_for(be, MATMUL, prob, None) == MATMUL.config(be.device_class, None, prob)
+        assert tuned.config_for(be, MATMUL, prob) == MATMUL.config(be.device_class, None, prob)
     if damage in ("bad_key_name", "config_not_dict", "bucket_mismatch", "schema"):
         with pytest.raises(InvalidArgumentError, match="malformed"):
             tune.save_entry(payload)  # and the tuner itself refuses to write such a record
@@ -259,7 +260,7 @@ def test_corrupted_database_file_warns_and_is_rebuilt(db: Path, be: Any) -> None
     path.write_bytes(path.read_bytes()[:-40])  # truncated mid-write by a crash, say
     tune.invalidate()
     with pytest.warns(cache.CacheWarning, match="discarded"):
-        assert tuned.config_for(be, MATMUL, prob, None) == MATMUL.config(be.device_class, None, prob)
+        assert tuned.config_for(be, MATMUL, prob) == MATMUL.config(be.device_class, None, prob)
     assert not path.exists()
     assert tune.save_entry(_entry(be, MATMUL, prob, cfg)) == path  # rebuilt by the next tune
     assert tuned.config_for(_opencl()("0"), MATMUL, prob, None) == cfg
@@ -301,8 +302,8 @@ def test_env_switch_and_exact_mode(db: Path, be: Any, monkeypatch: pytest.Monkey
     assert tune.lookup(be, MATMUL, far) is None
     monkeypatch.setenv("PORTAKERN_TUNING", "0")
     assert tune.lookup(be, MATMUL, prob) is None
-    assert tuned.config_for(_opencl()("0"), MATMUL, prob, None) == MATMUL.config(be.device_class, None,
-                                                                          prob)
+    assert tuned.config_for(_opencl()("0"), MATMUL, prob) == MATMUL.config(be.device_class,
+                                                                            None, prob)
 
 
 def test_entry_too_big_for_this_device_is_skipped(db: Path, be: Any) -> None:

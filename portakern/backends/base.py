@@ -557,6 +557,24 @@ class KernelBackend(Backend):
 
         return launch_all
 
+    def output_maker(self, shape: tuple[int, ...], dtype: str) -> Callable[[], tuple[Any, Any]]:
+        """A callable making a new output array of this shape and dtype name: (the array, its
+        kernel argument). Default: ``empty`` and ``buffer_arg``."""
+        empty, buffer_arg = self.empty, self.buffer_arg
+
+        def make() -> tuple[Any, Any]:
+            arr = empty(shape, dtype)
+            return arr, buffer_arg(arr)
+
+        return make
+
+    def reusable_workspace(self) -> bool:
+        """Whether a plan may keep its workspace buffers across calls: true only where one
+        call's launches are enqueued as one uninterrupted sequence (``sequence_launcher``
+        under a lock) on one in-order queue, so no other call can run between a kernel that
+        writes the workspace and the kernel that reads it. Default: False (made per call)."""
+        return False
+
     def scratch(self, nbytes: int) -> Any:
         """A device buffer of ``nbytes`` bytes as a kernel argument: a plan's workspace."""
         raise NotImplementedError

@@ -22,7 +22,11 @@ and for each three implementations:
   the cached Plan of that call), launched through the device API by the backend's
   ``raw_launcher`` hook (OpenCL ``kernel.set_args(*args); enqueue_nd_range_kernel``, CUDA the
   cupy ``Function`` call), arguments and workspace built once outside the timed region, as a
-  user of the raw API would.
+  user of the raw API would. It sets every argument on each launch (``set_args``), as such
+  code does; portakern's planned runner sets a plan's scalar arguments once, on kernel objects
+  of its own, and per call only the buffers (backends/opencl.py ``sequence_launcher``), which
+  on attention's 20-argument kernel saves about 1 µs a launch: part of what the calls gain
+  back of their Python cost comes from there.
 
 Each implementation is timed two ways, in interleaved rounds (the order rotated each round),
 the median over rounds per implementation:
@@ -307,8 +311,8 @@ def measure_entry(be: KernelBackend, entry: Entry, cfg: DispatchConfig, *,
                 "output allocation and enqueue",
         "call_out": out_what + ": the same without the output allocation",
         "raw": "the backend's raw_launcher: the device API's own enqueue of the compiled "
-               "kernels of the call's launch plan (arguments and workspace built once, "
-               "outside the timed region)",
+               "kernels of the call's launch plan, every argument set on each launch "
+               "(arguments and workspace built once, outside the timed region)",
         "timing": f"wall: per call = (time of {iters} back-to-back calls + one "
                   f"backend.synchronize()) / {iters}; host: the same {iters} calls enqueued "
                   "while the device queue is held, only the host's side timed; medians over "
