@@ -18,9 +18,8 @@ kernels and XLA read native-order floats. ``native_byte_order`` converts it (one
 every backend computes on the values the caller meant; the numpy oracle does this implicitly.
 
 Every operand is checked before ANY is uploaded (``host_operands``), so a call refused for its
-third operand has not already copied the first two to the device. This belongs at the top of
-``Backend.run`` (backends/base.py); until it is called there, the opencl and jax backends call
-it from their own ``run`` and the numpy backend from its ``as_input``.
+third operand has not already copied the first two to the device. ``portakern.execute.run``
+does this for every backend before its first upload.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ arguments, the workspace, and the per-call ``runner``. Plans live in ``PLANS``, 
 cache whose key is ``plan_key``: everything backend resolution reads is in it, so a repeated
 call is one key, one lookup, then the runner: the backend's fast checks of what can still
 differ per call (context, layout, buffer size, ``out=`` and aliasing) and its enqueues. A
-check that does not pass hands the call to ``Backend.run``, which checks everything again and
+check that does not pass hands the call to ``execute.run``, which checks everything again and
 raises the precise error.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from . import backends as registry
-from . import selection, settings, tuned
+from . import execute, selection, settings, tuned
 from .backends import base
-from .backends.base import Backend, LaunchPlan, LRUCache
+from .backends.base import Backend, KernelBackend, LaunchPlan, LRUCache
 from .errors import InvalidArgumentError
 from .spec import KernelSpec, Problem, storage_dtype
 
@@ -39,7 +39,7 @@ PLAN_CACHE_SIZE = 4096  # distinct (op, shapes, params, target) of a long-runnin
 class Plan:
     """What a call needs once its metadata were validated for one backend: everything but
     the arrays. ``launches`` is filled in at the plan's first run, after that call's checks
-    passed (a refused call compiles nothing; ``Backend.run`` asks for it through
+    passed (a refused call compiles nothing; ``execute.run`` asks for it through
     ``compile``); it stays None on array backends (numpy, jax: they evaluate the spec's
     semantics) and for an empty result. ``runner`` is made after the first run succeeded."""
 
@@ -63,11 +63,10 @@ class Plan:
         launches = self.launches
         if launches is None and not self.problem.empty_result:
             be, spec, prob = self.backend, self.spec, self.problem
-            build = getattr(be, "build_launches", None)
-            if build is None:  # an array backend: nothing to compile
+            if not isinstance(be, KernelBackend):  # an array backend: nothing to compile
                 return None
             cfg = tuned.config_for(be, spec, prob, self.config)
-            launches = self.launches = build(spec, prob, cfg)
+            launches = self.launches = execute.build_launches(be, spec, prob, cfg)
         return launches
 
 
@@ -183,10 +182,9 @@ def dispatch(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
             got = runner(args, kwargs, out)
             if got is not _SLOW:
                 return got
-        return plan.backend.run(plan, _arrays(spec, args, kwargs), out)
+        return execute.run(plan, _arrays(spec, args, kwargs), out)
     plan, key, arrays = _planned(spec, args, kwargs, backend, config)
-    res = plan.backend.run(plan, arrays if arrays is not None else _arrays(spec, args, kwargs),
-                           out)
+    res = execute.run(plan, arrays if arrays is not None else _arrays(spec, args, kwargs), out)
     if key is not None and plan.runner is None and plan.launches is not None:
         plan.runner = _runner(plan, args, kwargs)
     return res
@@ -215,7 +213,7 @@ def _runner(plan: Plan, args: Sequence[Any], kwargs: Mapping[str, Any]
     and workspace sizes, which template slot takes which buffer) is worked out here, once;
     per call it runs the backend's checks of what can still differ: each operand's
     context, layout and buffer size, an ``out=``'s layout, writability and overlap with the
-    inputs. Any check that does not pass sends the call to ``Backend.run`` (``_SLOW``), which
+    inputs. Any check that does not pass sends the call to ``execute.run`` (``_SLOW``), which
     repeats every check and raises the precise error, so the runner can only be faster, never
     more permissive. Calls with a keyword operand given (e.g. attention's mask) take that
     path too."""
@@ -227,7 +225,7 @@ def _runner(plan: Plan, args: Sequence[Any], kwargs: Mapping[str, Any]
     checks = []
     for a in args:
         c = be.native_checker(tuple(a.shape), a.dtype)
-        if c is None or c(a) is None:  # e.g. host operands: every call takes Backend.run
+        if c is None or c(a) is None:  # e.g. host operands: every call takes execute.run
             return None
         checks.append(c)
     kw_operands = tuple(k for k in kwargs if k in spec_names)
@@ -248,7 +246,7 @@ def _runner(plan: Plan, args: Sequence[Any], kwargs: Mapping[str, Any]
         int(np.prod(shape, dtype=np.int64)) * storage_dtype(dt).itemsize
         for _, (shape, dt) in outputs)
     if big > _FAST_ALLOCATION_BYTES:
-        return None  # memory is judged per call (Backend.run's check_memory) for big calls
+        return None  # memory is judged per call (execute.run's check_memory) for big calls
     index = {n: i for i, n in enumerate(names[:len(args)])}
     n_in = len(args)
     for j, (name, _) in enumerate(outputs):

@@ -288,7 +288,7 @@ def _run_bad(name: str, be: Backend) -> BaseException:
 
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_input_is_refused_before_any_device_work(target: str, name: str) -> None:
-    """Every backend, cuda and plugins included: Backend.run checks non-native operands
+    """Every backend, cuda and plugins included: portakern.execute.run checks non-native operands
     against their claimed shape/dtype (portakern.host) before anything is uploaded."""
     bad = BAD[name]
     be = selection.get(target)
@@ -302,7 +302,7 @@ def test_bad_input_is_refused_before_any_device_work(target: str, name: str) -> 
 @pytest.mark.parametrize("bad_out", ["numpy array", "wrong shape", "wrong dtype"])
 def test_bad_out_is_refused_on_the_planned_fast_path(device_target: str, bad_out: str) -> None:
     """Device-resident operands whose call has run before take the planned fast path
-    (portakern.plan: one cache lookup, then KernelBackend.run); out= must still be checked on
+    (portakern.plan: one cache lookup, then the plan's runner); out= must still be checked on
     every call there."""
     be = selection.get(device_target)
     if not isinstance(be, KernelBackend):
@@ -379,7 +379,9 @@ def test_call_site_fast_path_follows_a_new_tuning_generation(kernel_target: str)
         pk.call("matmul", a, b, backend=be)
     assert pkplan.plan_key(get_op("matmul"), (a, b), {}, be) in pkplan.PLANS
     planned: list[Any] = []
-    real_plan = be.build_launches
+    from portakern import execute
+
+    real_plan = execute.build_launches
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         planned.append(args)
@@ -389,7 +391,7 @@ def test_call_site_fast_path_follows_a_new_tuning_generation(kernel_target: str)
     tuned.invalidate()  # what saving or clearing a tuning does: the public counter moves
     assert tuned.GENERATION == gen + 1
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(be, "build_launches", spy)
+        mp.setattr(execute, "build_launches", spy)
         got = pk.call("matmul", a, b, backend=be)
     assert planned, "a plan of an older tuning generation was reused"
     np.testing.assert_allclose(be.to_numpy(got), A.astype(np.float64) @ B, rtol=1e-5,
@@ -559,7 +561,7 @@ def test_device_views_are_refused_by_name_or_computed_right(device_target: str,
     (pyopencl); a backend whose views are real arrays (jax) must compute the right answer.
 
     ``after-valid-calls``: the same call with contiguous arrays of the view's shape ran first,
-    so the view arrives on the planned fast path (KernelBackend.run), which must
+    so the view arrives on the planned fast path (the plan's runner), which must
     check layout per call, not once per shape."""
     be = selection.get(device_target)
     where, view = DEVICE_VIEWS[kind]
@@ -672,7 +674,7 @@ def test_docs_list_every_case() -> None:
 
 class _BareBackend(Backend):
     """A plugin-style backend that implements only the protocol's array hooks and trusts
-    whatever reaches them: the host-operand checks must come from Backend.run itself."""
+    whatever reaches them: the host-operand checks must come from portakern.execute.run itself."""
 
     name = "bare"
 

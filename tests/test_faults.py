@@ -39,7 +39,7 @@ import pytest
 
 import portakern as pk
 from portakern import backends as registry
-from portakern import codegen, selection
+from portakern import codegen, execute, selection
 from portakern.backends.base import Backend, DeviceInfo, KernelBackend, TransferCounter
 
 f32 = np.float32
@@ -639,11 +639,11 @@ def test_numpy_memory_overlap_is_judged_by_the_default_span() -> None:
 
     spec = get_op("softmax")
     with pytest.raises(pk.InvalidArgumentError, match="overlaps"):
-        be.check_no_alias(spec, base[2:6], [("x", base[4:])])
+        execute.check_no_alias(be, spec, base[2:6], [("x", base[4:])])
     with pytest.raises(pk.InvalidArgumentError, match="overlaps"):
-        be.check_no_alias(spec, base[::-1], [("x", base[7:])])
-    be.check_no_alias(spec, base[:4], [("x", base[4:])])  # disjoint halves
-    be.check_no_alias(spec, base[:4], [("x", np.zeros(3, f32))])
+        execute.check_no_alias(be, spec, base[::-1], [("x", base[7:])])
+    execute.check_no_alias(be, spec, base[:4], [("x", base[4:])])  # disjoint halves
+    execute.check_no_alias(be, spec, base[:4], [("x", np.zeros(3, f32))])
 
 
 _ZERO_STRIDE = """

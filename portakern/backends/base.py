@@ -9,6 +9,7 @@ beyond what the spec hands it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -19,10 +20,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from portakern import codegen, dtypes, settings
-from portakern.errors import DTypeError, InvalidArgumentError, ShapeError, UnsupportedDTypeError
-from portakern.host import check_host_memory, host_copy_bytes, host_operands, nbytes_of
+from portakern.errors import UnsupportedDTypeError
+from portakern.host import nbytes_of
 from portakern.lru import LRUCache  # noqa: F401  (re-exported: plan, jax)
-from portakern.spec import Buf, KernelSpec, Launch, Problem, Scalar, storage_dtype
+from portakern.spec import KernelSpec, Launch, Problem, storage_dtype
 
 
 @dataclass
@@ -242,59 +243,6 @@ class Backend:
         """Refuse bad tunable overrides when a plan is made (before anything is uploaded).
         Default: checked where they are used (``execute``)."""
 
-    def run(self, plan: Any, arrays: Mapping[str, Any], out: Any = None) -> Any:
-        """Execute a call planned by portakern.plan (``plan``: a Plan, whose problem was
-        validated and dtype-checked for this backend). numpy in -> numpy out; native in ->
-        native out.
-
-        ``out``: a native, contiguous array of the result's shape and dtype to write into
-        (C-kernel backends), which saves the allocation on a hot path.
-
-        Every non-native operand is checked against the shape/dtype validation saw
-        (portakern.host), all of them before anything is uploaded: one place for every
-        backend, so none can forget it."""
-        spec, prob = plan.spec, plan.problem
-        is_native = self.is_native
-        present: dict[str, Any] = {}
-        native_out, all_native = False, True
-        for k, v in arrays.items():  # one pass: the all-native call is the hot path
-            if v is not None:
-                present[k] = v
-                if is_native(v):
-                    native_out = True
-                else:
-                    all_native = False
-        if out is not None:
-            self.check_out(spec, prob, out)
-            self.check_no_alias(spec, out, present.items())
-            native_out = True
-        self.check_memory(spec, prob, present, out)
-        if not all_native:
-            present = dict(self.checked_host_operands(present))
-        if prob.empty_result:
-            if out is not None:
-                for o in (out if out.__class__ is tuple else (out,)):
-                    self.fill_zero(o)
-                return out
-            if prob.outputs is None:
-                res = self.zeros(prob.out_shape, prob.dtype)
-            else:
-                res = tuple(self.zeros(s, d) for s, d in prob.outputs.values())
-        else:
-            as_input = self.as_input
-            ins = {k: as_input(k, v) for k, v in present.items()}
-            res = self.execute_plan(plan, ins, out)
-        if native_out:
-            return res
-        if res.__class__ is tuple:  # several outputs: numpy in -> a tuple of numpy out
-            return tuple(self.to_numpy(r) for r in res)
-        return self.to_numpy(res)
-
-    def execute_plan(self, plan: Any, ins: dict[str, Any], out: Any) -> Any:
-        """Run a plan on native operands ``ins``. Default (array backends, which take no
-        ``out=``): evaluate the spec's semantics through ``execute``."""
-        return self.execute(plan.spec, plan.problem, ins, plan.config)
-
     # --- memory judged before it is spent ---------------------------------------------------
     def device_buffers(self, spec: KernelSpec, prob: Problem, present: Mapping[str, Any],
                        out: Any) -> list[tuple[str, int]]:
@@ -315,74 +263,10 @@ class Backend:
         """Refuse (DeviceMemoryError) what the device cannot allocate. Default: no limits
         known beyond the host budget."""
 
-    def check_memory(self, spec: KernelSpec, prob: Problem, present: Mapping[str, Any],
-                     out: Any) -> None:
-        """Every allocation a call would make, sized from the shapes and judged before any is
-        made: the device's own limits (``check_device_buffers``), then the host budget
-        (portakern.host) for host copies, plus the device buffers when the device's memory
-        is host memory (a CPU device)."""
-        try:
-            dev = self.device_buffers(spec, prob, present, out)
-            host = [(f"host copy of {k!r}", host_copy_bytes(v)) for k, v in present.items()
-                    if not self.is_native(v)]
-        except (TypeError, ValueError, AttributeError):
-            return  # an operand without a real shape: host_operand refuses it next
-        self.check_device_buffers(spec, dev)
-        if self.device.kind == "cpu":
-            host += dev
-        check_host_memory(f"{spec.name} on {self.label}", host)
-
-    def checked_host_operands(self, arrays: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Non-native operands replaced by their checked host arrays (see ``run``)."""
-        return host_operands(arrays, self.is_native)
-
-    def check_out(self, spec: KernelSpec, prob: Problem, out: Any) -> None:
-        if not self.supports_out:
-            raise InvalidArgumentError(f"{spec.name}: out= is not supported on {self.describe()}"
-                                       " (its arrays are immutable or it has no C kernels); "
-                                       "drop out= and use the returned array.")
-        if prob.outputs is not None:
-            self.check_outs(spec, prob, out)
-            return
-        if not self.is_native(out):
-            raise InvalidArgumentError(f"{spec.name}: out= must be a {self.name} device array; "
-                                       f"got {type(out).__name__}. Create it on this backend.")
-        if tuple(out.shape) != tuple(prob.out_shape):
-            raise ShapeError(f"{spec.name}: out= has shape {tuple(out.shape)}; expected "
-                             f"{tuple(prob.out_shape)}.")
-        # the plain dtype comparison is the hot path; the canonical name settles the rest
-        if out.dtype != prob.info.storage and dtypes.dtype_name(out.dtype) != prob.dtype:
-            raise DTypeError(f"{spec.name}: out= has dtype {dtypes.dtype_name(out.dtype)}; "
-                             f"expected {prob.dtype}.")
-        self.prepare_native("out", out)
-        self.check_writable(spec, out)
-
-    def check_outs(self, spec: KernelSpec, prob: Problem, out: Any) -> None:
-        """``out=`` of a several-output op: a tuple with one native array per output, in the
-        order of ``prob.outputs``, each of its shape and dtype, writable, no two overlapping."""
-        names = tuple(prob.outputs or ())
-        if out.__class__ is not tuple or len(out) != len(names):
-            raise InvalidArgumentError(
-                f"{spec.name}: out= must be a tuple of {len(names)} {self.name} device arrays, "
-                f"one per output ({', '.join(names)}); got {type(out).__name__}"
-                + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "") + ".")
-        for name, o in zip(names, out):
-            shape, dt = prob.outputs[name]  # type: ignore[index]
-            if not self.is_native(o):
-                raise InvalidArgumentError(
-                    f"{spec.name}: out= entry {name!r} must be a {self.name} device array; got "
-                    f"{type(o).__name__}. Create it on this backend.")
-            if tuple(o.shape) != tuple(shape):
-                raise ShapeError(f"{spec.name}: out= entry {name!r} has shape {tuple(o.shape)}; "
-                                 f"expected {tuple(shape)}.")
-            if dtypes.dtype_name(o.dtype) != dt:
-                raise DTypeError(f"{spec.name}: out= entry {name!r} has dtype "
-                                 f"{dtypes.dtype_name(o.dtype)}; expected {dt}.")
-            self.prepare_native(name, o)
-            self.check_writable(spec, o)
-        for i in range(1, len(out)):  # outputs written by one call must not share memory
-            self.check_no_alias(spec, out[i],
-                                [(f"out= entry {names[j]!r}", out[j]) for j in range(i)])
+    def device_scope(self) -> Any:
+        """A context manager a call runs inside (CUDA: this device made current). Default:
+        none needed."""
+        return contextlib.nullcontext()
 
     def check_writable(self, spec: KernelSpec, out: Any) -> None:
         """Refuse an ``out=`` array the device may not write (default: nothing to check)."""
@@ -410,34 +294,6 @@ class Backend:
             hi = ptr + itemsize + sum(s * (n - 1) for s, n in zip(strides, shape) if s > 0)
             return space, lo, hi
         return None
-
-    def check_no_alias(self, spec: KernelSpec, out: Any, operands: Any) -> None:
-        """Refuse ``out=`` that shares memory with any native operand: kernels read their
-        inputs while they write, so an overlap gives silently wrong results (none of
-        portakern's ops is documented to work in place). A tuple ``out`` (several outputs):
-        each entry."""
-        if out.__class__ is tuple:
-            for o in out:
-                self.check_no_alias(spec, o, operands)
-            return
-        span = self.memory_span(out)
-        if span is None:
-            return
-        for name, x in operands:
-            if x is None or not self.is_native(x):
-                continue  # a host operand is copied before upload: it cannot alias
-            other = self.memory_span(x)
-            if other is None:
-                continue
-            if other[0] == span[0] and other[1] < span[2] and span[1] < other[2]:
-                from portakern.errors import AliasingError
-
-                raise AliasingError(
-                    f"{spec.name}: out= overlaps input {name!r} (bytes {other[1] - span[1]:+d}"
-                    f" relative to out=, {other[2] - other[1]} bytes long); the kernel would "
-                    "read what it has already overwritten, a silently wrong result. Expected "
-                    "an out= array that shares no memory with any input: allocate a separate "
-                    "one, or drop out= and use the returned array.")
 
     def fill_zero(self, out: Any) -> None:
         out.fill(0)
@@ -485,15 +341,6 @@ class KernelBackend(Backend):
         # eviction drops the runtime's plans too (they hold the evicted program's kernels).
         self._kernels: LRUCache = LRUCache(KERNEL_CACHE_SIZE, _kernels_evicted)
 
-    def execute_plan(self, plan: Any, ins: dict[str, Any], out: Any) -> Any:
-        """Launch a plan's kernels on checked native operands ``ins`` (``Backend.run``'s last
-        step). The kernels are compiled at the plan's first run, after that call's checks
-        passed: ``plan.compile()`` (the Plan layer chooses the configuration)."""
-        launches = plan.launches
-        if launches is None:
-            launches = plan.compile()
-        return self._launch(launches, dict(ins), out, plan.problem)
-
     def check_config(self, spec: KernelSpec, prob: Problem, config: Mapping[str, int]) -> None:
         """Overrides are checked against the tunables' domains and the spec's own check."""
         spec.config(self.device_class, config, prob)
@@ -528,8 +375,8 @@ class KernelBackend(Backend):
         """A callable ``check(x)`` for operands of exactly this shape and dtype (the plan key
         fixed both): ``x``'s kernel argument when ``x`` may be used as it is (this device or
         context, contiguous, no offset, a buffer holding every byte), else None, and the call
-        then takes ``Backend.run``, which checks again and raises the precise error. None: no
-        fast checks on this backend (every call takes ``Backend.run``)."""
+        then takes ``execute.run``, which checks again and raises the precise error. None: no
+        fast checks on this backend (every call takes ``execute.run``)."""
         return None
 
     def output_checker(self, shape: tuple[int, ...], dtype: str) -> Callable[[Any], Any] | None:
@@ -624,59 +471,6 @@ class KernelBackend(Backend):
                     got = self.compile(src, kernel_entry_points(spec, prob, cfg))
                     self._kernels[key] = got
         return got
-
-    def scalar(self, s: Scalar, prob: Problem) -> Any:
-        if s.ctype == "int":
-            return np.int32(s.value)
-        if s.ctype == "acc":
-            return prob.info.compute.type(s.value)
-        raise InvalidArgumentError(f"unknown scalar ctype {s.ctype!r}; expected 'int' or 'acc'.")
-
-    def _launch(self, plan: LaunchPlan, bufs: dict[str, Any], out: Any, prob: Problem) -> Any:
-        """Enqueue a plan's kernels on ``bufs`` (operands by name, filled in with ``out`` and
-        the workspace); return the output array."""
-        outputs = prob.outputs
-        if outputs is None:
-            if out is None:
-                out = self.empty(prob.out_shape, prob.dtype)
-            bufs["out"] = out
-        else:  # several outputs, each its own buffer by name; returned as a tuple
-            if out is None:
-                out = tuple([self.empty(shape, dt) for shape, dt in outputs.values()])
-            bufs.update(zip(outputs, out))
-        if plan.workspace:
-            for name, (n, dt) in plan.workspace.items():  # per call: calls may run at once
-                bufs[name] = self.empty((n,), dt)
-        buffer_arg = self.buffer_arg
-        for launcher, template, slots in plan.steps:
-            args = template.copy()
-            for i, name in slots:
-                args[i] = buffer_arg(bufs[name])
-            launcher(args)
-        return out
-
-    def build_launches(self, spec: KernelSpec, prob: Problem,
-                       cfg: Mapping[str, int]) -> LaunchPlan:
-        """Compiled kernels + launch geometry + packed scalar arguments for a problem and a
-        complete kernel configuration ``cfg`` (the Plan layer's choice: tuned.config_for),
-        once per plan: a repeated call skips rendering, config lookups and argument packing."""
-        kernels = self.kernels_for(spec, prob, cfg)
-        plan = LaunchPlan()
-        if spec.workspace is not None:
-            plan.workspace = {k: (int(n), str(dt)) for k, (n, dt)
-                              in spec.workspace(prob, cfg).items()}
-        for launch in spec.launches(prob, cfg):
-            wg = launch.local[0] * launch.local[1] * launch.local[2]
-            if wg > self.device.max_work_group_size:
-                raise InvalidArgumentError(
-                    f"{spec.name}: work-group of {wg} items ({launch.local}) exceeds "
-                    f"{self.device.max_work_group_size} on {self.describe()}; lower the tunables.")
-            template = [a.name if isinstance(a, Buf) else self.scalar(a, prob) for a in launch.args]
-            kernel = kernels[launch.kernel]
-            self.declare_arguments(kernel, template)
-            plan.add(kernel, launch, template, self.launcher(kernel, launch))
-        return plan
-
 
 def kernel_entry_points(spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]) -> tuple[str, ...]:
     """Entry points a spec launches; read from its launch plan for this problem."""

@@ -55,7 +55,7 @@ import hashlib
 import importlib.util
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -367,15 +367,9 @@ class CudaBackend(KernelBackend):
     def synchronize(self) -> None:
         self._cp_device.synchronize()
 
-    def run(self, plan: Any, arrays: Mapping[str, Any], out: Any = None) -> Any:
-        """Base run with this device current; a numpy bf16 result that an old CuPy had to
-        store as uint16 is viewed back as bfloat16 (same bits, no conversion)."""
-        with self._cp_device:
-            res = super().run(plan, arrays, out)
-        if isinstance(res, np.ndarray) and plan.problem.dtype == "bfloat16" \
-                and res.dtype == np.uint16:
-            res = res.view(dtypes.bfloat16)
-        return res
+    def device_scope(self) -> Any:
+        """Every call runs with this device current (CuPy allocates and launches there)."""
+        return self._cp_device
 
     # --- kernels -------------------------------------------------------------------------
     def compile(self, source: str, entry_points: tuple[str, ...]) -> dict[str, Any]:

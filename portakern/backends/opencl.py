@@ -256,10 +256,11 @@ class OpenCLBackend(KernelBackend):
     _limits: tuple[int, int] = (1 << 62, 1 << 62)  # (max_mem_alloc_size, global_mem_size)
 
     # what a forked child may no longer call (see _after_fork_in_child)
-    _DEVICE_METHODS = ("run", "execute_plan", "to_native", "to_numpy", "empty", "zeros", "scratch",
+    _DEVICE_METHODS = ("to_native", "to_numpy", "empty", "zeros", "scratch",
                        "sequence_launcher", "output_maker",
-                       "native_checker", "output_checker",
-                       "synchronize", "prepare_native", "compile", "enqueue", "build_launches",
+                       "native_checker", "output_checker", "held_queue", "raw_launcher",
+                       "launcher",
+                       "synchronize", "prepare_native", "compile", "enqueue",
                        "free_pooled_memory", "fill_zero", "kernels_for")
 
     def _disable_after_fork(self) -> None:

@@ -265,11 +265,10 @@ def measure_entry(be: KernelBackend, entry: Entry, cfg: DispatchConfig, *,
 
     ref = np.asarray(spec.semantics(np, *[host[n].astype(np.float64) for n, _ in entry.shapes],
                                     **prob.params))
-    # a backend with a current-device notion (CUDA's cupy Device) is made current once per
-    # measurement, not per raw launch, as a raw user would
-    ctx = getattr(be, "_cp_device", None)
-    if ctx is not None:
-        ctx.__enter__()
+    # a backend with a current-device notion (CUDA's cupy Device: device_scope) is made
+    # current once per measurement, not per raw launch, as a raw user would
+    ctx = be.device_scope()
+    ctx.__enter__()
     chosen = None if auto else selection.use(be)
     if chosen is not None:
         chosen.__enter__()
@@ -292,8 +291,7 @@ def measure_entry(be: KernelBackend, entry: Entry, cfg: DispatchConfig, *,
     finally:
         if chosen is not None:
             chosen.__exit__(None, None, None)
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        ctx.__exit__(None, None, None)
     rec: dict[str, Any] = {"status": "ok", "target": be.label, "entry": entry.name,
                            "op": entry.op, "call": entry.text, "shapes": {
                                n: list(s) for n, s in entry.shapes}, "dtype": cfg.dtype,
