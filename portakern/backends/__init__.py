@@ -22,6 +22,10 @@ IN_TREE: dict[str, str] = {
     "cuda": "portakern.backends.cuda:CudaBackend",
     "jax": "portakern.backends.jax:JaxBackend",
 }
+# Modules imported together with a backend, which extend it through its hooks: the Oclgrind
+# simulator adds opencl:oclgrind to the OpenCL backend. A companion that fails to import is
+# left out; the backend itself still works.
+COMPANIONS: dict[str, tuple[str, ...]] = {"opencl": ("portakern.backends.oclgrind",)}
 ENTRY_POINT_GROUP = "portakern.backends"
 
 _LOCK = threading.Lock()
@@ -112,6 +116,11 @@ def load(name: str) -> type[Backend] | Availability:
             elif isinstance(target, str):
                 mod, _, attr = target.partition(":")
                 cls = getattr(importlib.import_module(mod), attr)
+                for companion in COMPANIONS.get(name, ()):
+                    try:
+                        importlib.import_module(companion)
+                    except Exception:  # pragma: no cover - e.g. a broken optional install
+                        pass
             else:
                 cls = target.load()  # type: ignore[attr-defined]
             got = cls

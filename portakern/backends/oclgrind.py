@@ -54,6 +54,7 @@ from portakern import settings
 from portakern.errors import BackendUnavailable, KernelFaultError, UnknownBackendError
 from portakern.spec import Launch
 
+from . import opencl
 from .base import Availability, DeviceInfo
 from .opencl import OpenCLBackend, _all_devices, _is_allocation_failure, cl
 
@@ -672,3 +673,8 @@ def _api_errors(text: str) -> tuple[list[Report], str]:
     for r in parse_log(text):
         (api.append(r) if r.kind == "invalid API use" else rest.append(r.text))
     return api, ("\n".join(rest) + "\n") if rest else ""
+
+
+# the OpenCL backend lists the simulator and makes opencl:oclgrind an OclgrindBackend
+opencl.PROBE_HOOKS.append(add_simulator)
+opencl.SELECTOR_HOOKS.append(simulator_class)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -120,6 +120,13 @@ def _all_devices() -> list[tuple[Any, Any]]:
     return out
 
 
+# What extends the OpenCL backend without this module importing it (so no import cycle): the
+# Oclgrind simulator (backends/oclgrind.py, which the registry loads with this backend) adds
+# its device to the probe's list and picks its own subclass for its selector.
+PROBE_HOOKS: list[Callable[[Availability], Availability]] = []
+SELECTOR_HOOKS: list[Callable[[str], type[OpenCLBackend] | None]] = []
+
+
 class OpenCLBackend(KernelBackend):
     name = "opencl"
     dialect = "opencl"
@@ -130,17 +137,20 @@ class OpenCLBackend(KernelBackend):
     extra_build_options: tuple[str, ...] = ()  # per device (the simulator: -cl-opt-disable)
 
     def __new__(cls, selector: str | None = None) -> OpenCLBackend:
-        if cls is OpenCLBackend and selector:  # opencl:oclgrind: the simulator's own subclass
-            from .oclgrind import simulator_class
-
-            cls = simulator_class(selector) or cls
+        if cls is OpenCLBackend and selector:  # e.g. opencl:oclgrind: the simulator's subclass
+            for hook in SELECTOR_HOOKS:
+                got = hook(selector)
+                if got is not None:
+                    cls = got
+                    break
         return super().__new__(cls)
 
     @classmethod
     def _probe(cls) -> Availability:
-        from .oclgrind import add_simulator  # opencl:oclgrind, one more device when installed
-
-        return add_simulator(cls._probe_devices())
+        av = cls._probe_devices()
+        for hook in PROBE_HOOKS:  # e.g. opencl:oclgrind, one more device when installed
+            av = hook(av)
+        return av
 
     @classmethod
     def _probe_devices(cls) -> Availability:
