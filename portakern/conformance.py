@@ -150,13 +150,18 @@ def main(args: argparse.Namespace) -> int:
            "machine": platform.machine(), "node": platform.node(),
            "versions": {n: registry.availability(n).versions for n in registry.names()},
            "skipped": skipped, "op_plugin_errors": plugin_errors(), "results": results,
-           "passed": not failed}
+           "passed": not failed and any(r["status"] == "pass" for r in results)}
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(doc, fh, indent=2, default=str)
         print(f"wrote {args.out}")
-    print("conformance: " + ("FAILED" if failed else "passed") +
-          f" ({sum(r['status'] == 'pass' for r in results)} pass, "
-          f"{sum(r['status'] == 'FAIL' for r in results)} fail, "
-          f"{sum(r['status'] == 'n/a' for r in results)} n/a)")
+    passes = sum(r["status"] == "pass" for r in results)
+    counts = (f" ({passes} pass, {sum(r['status'] == 'FAIL' for r in results)} fail, "
+              f"{sum(r['status'] == 'n/a' for r in results)} n/a)")
+    if not failed and not passes:  # a check that checked nothing must not read as passed
+        print("conformance: NOTHING CHECKED" + counts + ": every result is n/a (see the why "
+              "column); give the op a case generator (cases=) or choose another dtype or "
+              "backend")
+        return 1
+    print("conformance: " + ("FAILED" if failed else "passed") + counts)
     return 1 if failed else 0
