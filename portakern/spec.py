@@ -259,10 +259,6 @@ class KernelSpec:
     def _no_optional_operands(self) -> bool:
         return not any(o.optional for o in self.operands)
 
-    @functools.cached_property
-    def _default_params_key(self) -> tuple:
-        return params_key_of(self.params)
-
     def all_positional(self, args: Sequence[object]) -> bool:
         """Whether ``args`` are exactly the operands, in order, none None (no optional ones):
         then binding is a zip and the parameters are the defaults."""
@@ -379,8 +375,3 @@ class KernelSpec:
     def replace(self, **changes: Any) -> KernelSpec:
         return dataclasses.replace(self, **changes)
 
-
-def params_key_of(params: Mapping[str, Any]) -> tuple:
-    """The parameters' part of a validation-memo key (portakern.api). Types too: True == 1
-    and hash(True) == hash(1), yet axis=True must be refused."""
-    return tuple([(k, v.__class__, v) for k, v in params.items()])
