@@ -630,12 +630,3 @@ def parse_ptxas_log(log: str) -> list[dict[str, Any]]:
             cur["shared_bytes"] = int(s.group(1)) if s else 0
     return out
 
-
-def ptxas_version() -> str:
-    import subprocess
-
-    exe = find_ptxas()
-    if exe is None:
-        return "not installed"
-    out = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
-    return (out.strip().splitlines() or ["?"])[-1]

@@ -71,11 +71,6 @@ class Stats:
     def iqr(self) -> float:
         return self.q3 - self.q1
 
-    @property
-    def rel_spread(self) -> float:
-        """IQR relative to the median: 0.1 means the middle half lies within 10% of it."""
-        return self.iqr / self.median if self.median > 0 else math.nan
-
 
 def quantile(sorted_xs: Sequence[float], q: float) -> float:
     """Linear-interpolation quantile (numpy's default method) of already-sorted data."""
