@@ -710,6 +710,40 @@ def test_semantics_peers_apply_per_device_kind() -> None:
     assert peer_name("cupy", "softmax") == "cupy (elementwise)"
 
 
+def test_peers_follow_the_backends_data_not_its_name() -> None:
+    """CLBlast goes with the targets whose arrays are pyopencl's (the OpenCL backend and its
+    simulator), the cupy/cuBLAS/cuDNN peers with every GPU, numpy and torch with every CPU."""
+    from portakern.bench.peers import applicable
+
+    def peers(op: str, name: str, kind: str) -> list[str]:
+        return applicable(op, Target(name, kind))  # type: ignore[arg-type]
+
+    assert peers("matmul", "opencl", "cpu") == ["numpy", "torch", "xla", "clblast"]
+    assert peers("matmul", "opencl", "gpu") == ["xla", "clblast", "cublas"]
+    assert peers("matmul", "cuda", "gpu") == ["xla", "cublas"]
+    assert peers("matmul", "jax", "gpu") == ["xla", "cublas"]
+    assert peers("matmul", "jax", "cpu") == ["numpy", "torch", "xla"]
+    assert peers("softmax", "opencl", "gpu") == ["xla", "cupy"]
+    assert peers("softmax", "cuda", "gpu") == ["xla", "cupy"]
+    assert peers("attention", "cuda", "gpu") == ["xla", "cudnn"]
+    assert peers("attention", "opencl", "cpu") == ["numpy", "torch", "xla"]
+    # a stand-in without the backend's data (a duck-typed plugin) gets the per-kind peers only
+    stub = Target("opencl", "gpu")
+    del stub.array_modules
+    assert applicable("matmul", stub) == ["xla", "cublas"]  # type: ignore[arg-type]
+
+
+def test_the_oracle_is_a_peer_never_a_target() -> None:
+    """The numpy backend is the float64 oracle (``Backend.oracle``): left out of the default
+    targets, refused when named."""
+    from portakern.bench import runner
+
+    targets, _ = runner.default_targets()
+    assert not any(t.split(":")[0] == "numpy" for t in targets)
+    with pytest.raises(ValueError, match="float64 oracle"):
+        runner.open_targets(("numpy:0",))
+
+
 # --- dispatch overhead ---------------------------------------------------------------------------
 def test_dispatch_summary_arithmetic() -> None:
     from portakern.bench.dispatch import summarize_dispatch
@@ -846,12 +880,17 @@ def test_attention_memory_counts_the_fused_kernels_workspace(kernel_target: str)
 
 
 class Target:
-    """A stand-in backend: a name and a device of a kind."""
+    """A stand-in backend: a name, the data its registered class declares (the array types it
+    owns: what ties a target to CLBlast and cupy) and a device of a kind."""
 
     def __init__(self, name: str, kind: str) -> None:
+        from portakern import backends as registry
         from portakern.backends.base import DeviceInfo
 
+        cls = registry.load(name)
+        assert isinstance(cls, type), cls
         self.name, self.device = name, DeviceInfo(0, "dev", kind)
+        self.array_modules = cls.array_modules
 
 
 # --- issue 18: an honest roof, every promised peer ------------------------------------------------

@@ -148,9 +148,6 @@ def test_import_linter_contracts_hold() -> None:
 
 
 BACKEND_NAMES = {"cuda", "hip", "opencl", "jax", "numpy"}
-# Benchmark peers pair a backend with the vendor library it is measured against (cuBLAS for
-# cuda, numpy's BLAS, jax's own matmul): still named by string there; to become backend hooks.
-NAME_CHECK_EXEMPT = {"portakern/bench/peers.py", "portakern/bench/runner.py"}
 
 
 def test_no_backend_name_comparisons_outside_backends() -> None:
@@ -159,7 +156,7 @@ def test_no_backend_name_comparisons_outside_backends() -> None:
     found = []
     for path in sorted((ROOT / "portakern").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("portakern/backends/") or rel in NAME_CHECK_EXEMPT:
+        if rel.startswith("portakern/backends/"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), rel)):
             consts: list[ast.expr] = []

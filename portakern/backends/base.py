@@ -238,6 +238,9 @@ class Backend:
     supports_out: ClassVar[bool] = False  # may results be written into a caller's array?
     # may the autotuner's stored entries choose this backend's kernel configs (tuned.config_for)?
     uses_tuned_configs: ClassVar[bool] = True
+    # the float64 reference every other backend is checked against (numpy)? `portakern bench`
+    # measures it as a peer, never as a target
+    oracle: ClassVar[bool] = False
 
     def check_config(self, spec: KernelSpec, prob: Problem, config: Mapping[str, int]) -> None:
         """Refuse bad tunable overrides when a plan is made (before anything is uploaded).

@@ -21,6 +21,7 @@ from .base import Availability, Backend, DeviceInfo
 
 class NumpyBackend(Backend):
     name = "numpy"
+    oracle = True
     install_hint = "numpy is a hard dependency; reinstall portakern"
 
     @classmethod

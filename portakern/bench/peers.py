@@ -10,10 +10,16 @@ run, on inputs already resident where it computes (uploads are never timed):
   OpenMP pool and OpenBLAS's threads would spin against each other in one), threads = cores;
 - xla    — jax.jit of the plain jnp expression (precision HIGHEST, so fp32 is not TF32 on
   GPUs) on the jax device of the same kind;
-- clblast — CLBlast's GEMM through pyclblast on the OpenCL target's own context and queue;
+- clblast — CLBlast's GEMM through pyclblast on the target's own context and queue, for a
+  target whose arrays are pyopencl's (``Backend.array_modules``: the OpenCL backend);
 - cublas — cupy.matmul (cuBLAS, or hipBLAS under ROCm) with CUPY_TF32=0, on the CUDA device;
 - cupy   — cupy's elementwise softmax expression on the CUDA device;
 - cudnn  — jax.nn.dot_product_attention(implementation="cudnn") on an NVIDIA GPU.
+
+No backend is named here: what ties a peer to a target is the backend's data. A target whose
+arrays are cupy's (``array_modules``) hands its own arrays to the cupy peers and numbers its
+devices as CUDA does; a target with a jax device of its own (the jax backend) is measured
+there; every other GPU is matched to cupy's and jax's devices by name.
 
 Ops without hand-written peers (rmsnorm, user and plugin ops) are compared with their own
 ``spec.semantics`` on the device's native array library (semantics_peer.py): numpy on a CPU
@@ -48,6 +54,8 @@ from .suites import BenchCase, operand_names
 from .timing import Measurement, TimingConfig, measure, not_run
 
 PEER_KEYS = ("numpy", "torch", "xla", "clblast", "cublas", "cupy", "cudnn")
+# the numpy/BLAS peer's key: a peer named after its library, not the numpy backend
+NUMPY_PEER = "numpy"
 PEER_NAMES = {"numpy": "numpy/BLAS", "torch": "PyTorch (CPU)", "xla": "XLA (jax.jit)",
               "clblast": "CLBlast (pyclblast)",
               "cublas": "cuBLAS (cupy.matmul)", "cupy": "cupy (elementwise)",
@@ -118,7 +126,7 @@ def applicable(op: str, be: Backend) -> list[str]:
         if op in TORCH_OPS:
             keys.append("torch")
     keys.append("xla")
-    if op == "matmul" and be.name == "opencl":
+    if op == "matmul" and _owns(be, "pyopencl"):  # GEMM on the target's own queue and arrays
         keys.append("clblast")
     if be.device.kind == "gpu":
         if op == "matmul":
@@ -172,7 +180,7 @@ class NumpyWorker:
         return isinstance(theirs, dict) and theirs.get(op) == semantics_peer.identity(
             get_op(op))
 
-    def run(self, case: BenchCase, timing: TimingConfig, peer: str = "numpy") -> Measurement:
+    def run(self, case: BenchCase, timing: TimingConfig, peer: str = NUMPY_PEER) -> Measurement:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"case": case.as_dict(), "timing": timing.as_dict(),
                                           "peer": peer}) + "\n")
@@ -181,7 +189,7 @@ class NumpyWorker:
         if reply.get("kind") == "error":
             return not_run("error", reply.get("error", "unknown error"))
         m = Measurement.from_dict(reply["measurement"])
-        if peer == "numpy":
+        if peer == NUMPY_PEER:
             m.info.update(self.info)
         else:
             m.info.update(process="a peer process of its own (portakern.bench.numpy_worker, "
@@ -201,6 +209,17 @@ class NumpyWorker:
 
 
 # --- device matching -------------------------------------------------------------------------
+def _owns(be: Backend, module: str) -> bool:
+    """Whether ``be``'s native arrays are ``module``'s (``Backend.array_modules``); a
+    duck-typed stand-in without the attribute owns none."""
+    return module in getattr(be, "array_modules", ())
+
+
+def own_jax_device(be: Backend) -> Any:
+    """The jax device ``be`` itself computes on (the jax backend's), else None."""
+    return getattr(be, "jax_device", None) or getattr(be, "_jax_device", None)
+
+
 def _same_name(a: str, b: str) -> bool:
     a, b = a.lower().strip(), b.lower().strip()
     return bool(a) and bool(b) and (a == b or a in b or b in a)
@@ -212,7 +231,7 @@ def jax_device_for(be: Backend) -> tuple[Any, str]:
         import jax
     except Exception as exc:
         return None, f"jax is not importable ({exc}); pip install 'portakern[jax]'"
-    own = getattr(be, "jax_device", None) or getattr(be, "_jax_device", None)
+    own = own_jax_device(be)
     if own is not None:
         return own, ""
     if be.device.kind == "cpu":
@@ -221,7 +240,7 @@ def jax_device_for(be: Backend) -> tuple[Any, str]:
         gpus = jax.devices("gpu")
     except RuntimeError as exc:
         return None, f"jax has no GPU backend here ({exc}); install jax[cuda12] or jax[rocm]"
-    if be.name in ("cuda", "jax") and be.device.index < len(gpus):
+    if _owns(be, "cupy") and be.device.index < len(gpus):  # CUDA's numbering, as jax's
         return gpus[be.device.index], ""
     for d in gpus:
         if _same_name(getattr(d, "device_kind", ""), be.device.name):
@@ -241,7 +260,7 @@ def cupy_device_for(be: Backend) -> tuple[int | None, str]:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:
         return None, f"cupy sees no GPU ({type(exc).__name__}: {exc})"
-    if be.name == "cuda":
+    if _owns(be, "cupy"):  # the target's devices are cupy's
         return (be.device.index, "") if be.device.index < n else (None, "no such cupy device")
     for i in range(n):
         name = cupy.cuda.runtime.getDeviceProperties(i)["name"]
@@ -409,7 +428,7 @@ def run_cupy(key: str, be: Backend, case: BenchCase, host: Mapping[str, np.ndarr
     with cupy.cuda.Device(idx) as dev:
         if case.dtype == "bfloat16":
             return not_run("unavailable", "cupy has no bfloat16 arithmetic", what)
-        if be.name == "cuda":
+        if _owns(be, "cupy"):  # the target's own arrays
             args = [native.get(n) for n in names]
         else:
             args = [None if host[n] is None else cupy.asarray(host[n]) for n in names]
@@ -436,7 +455,7 @@ def run_cudnn(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray], timi
               ) -> Measurement:
     what = ("jax.nn.dot_product_attention(implementation='cudnn') on (B, S, H, D) inputs "
             "(transposed outside the timed region)")
-    if "nvidia" not in (be.device.vendor + " " + be.device.name).lower() and be.name != "cuda":
+    if "nvidia" not in (be.device.vendor + " " + be.device.name).lower():
         return not_run("unavailable", f"cuDNN runs on NVIDIA GPUs; {be.device.name} is not one",
                        what)
     dev, why = jax_device_for(be)
@@ -485,7 +504,7 @@ class Peers:
         return self._numpy
 
     def numpy_info(self) -> dict[str, Any]:
-        w = self.numpy_worker() if "numpy" in self.wanted else None
+        w = self.numpy_worker() if NUMPY_PEER in self.wanted else None
         return w.info if w is not None else {"error": self._numpy_error or "not started"}
 
     def torch_worker(self) -> NumpyWorker | None:
@@ -506,45 +525,51 @@ class Peers:
     def run(self, key: str, be: Backend, case: BenchCase, host: Mapping[str, np.ndarray],
             native: Mapping[str, Any], timing: TimingConfig) -> Measurement:
         """Measure one peer; failures become records with the reason, never exceptions."""
+        runners: dict[str, Callable[[], Measurement]] = {
+            NUMPY_PEER: lambda: self._run_numpy(case, host, timing),
+            "torch": lambda: self._run_torch(case, timing),
+            "xla": lambda: run_xla(be, case, host, timing),
+            "clblast": lambda: run_clblast(be, case, native, timing),
+            "cublas": lambda: run_cupy("cublas", be, case, host, native, timing),
+            "cupy": lambda: run_cupy("cupy", be, case, host, native, timing),
+            "cudnn": lambda: run_cudnn(be, case, host, timing),
+        }
+        runner = runners.get(key)
+        if runner is None:
+            return not_run("unavailable", f"peer {key!r} has no runner")
         try:
-            if key == "numpy":
-                w = self.numpy_worker()
-                if w is not None and not w.knows(case.op):
-                    return run_numpy_here(case, host, timing)
-                if w is None:
-                    return not_run("error", f"the numpy peer process failed to start: "
-                                   f"{self._numpy_error}")
-                try:
-                    return w.run(case, timing)
-                except (RuntimeError, BrokenPipeError, OSError) as exc:
-                    self._numpy = None  # restart it for the next case
-                    return not_run("error", f"numpy peer process: {exc}")
-            if key == "torch":
-                if importlib.util.find_spec("torch") is None:
-                    return not_run("unavailable", "torch is not installed: "
-                                   + INSTALL_HINT["torch"])
-                w = self.torch_worker()
-                if w is None:
-                    return not_run("error", f"the torch peer process failed to start: "
-                                   f"{self._torch_error}")
-                try:
-                    return w.run(case, timing, peer="torch")
-                except (RuntimeError, BrokenPipeError, OSError) as exc:
-                    self._torch = None
-                    return not_run("error", f"torch peer process: {exc}")
-            if key == "xla":
-                return run_xla(be, case, host, timing)
-            if key == "clblast":
-                return run_clblast(be, case, native, timing)
-            if key in ("cublas", "cupy"):
-                return run_cupy(key, be, case, host, native, timing)
-            if key == "cudnn":
-                return run_cudnn(be, case, host, timing)
+            return runner()
         except KeyboardInterrupt:
             raise
         except Exception as exc:
             return not_run("error", f"{type(exc).__name__}: {str(exc)[:500]}")
-        return not_run("unavailable", f"peer {key!r} has no runner")
+
+    def _run_numpy(self, case: BenchCase, host: Mapping[str, np.ndarray], timing: TimingConfig
+                   ) -> Measurement:
+        w = self.numpy_worker()
+        if w is not None and not w.knows(case.op):
+            return run_numpy_here(case, host, timing)
+        if w is None:
+            return not_run("error", f"the numpy peer process failed to start: "
+                           f"{self._numpy_error}")
+        try:
+            return w.run(case, timing)
+        except (RuntimeError, BrokenPipeError, OSError) as exc:
+            self._numpy = None  # restart it for the next case
+            return not_run("error", f"numpy peer process: {exc}")
+
+    def _run_torch(self, case: BenchCase, timing: TimingConfig) -> Measurement:
+        if importlib.util.find_spec("torch") is None:
+            return not_run("unavailable", "torch is not installed: " + INSTALL_HINT["torch"])
+        w = self.torch_worker()
+        if w is None:
+            return not_run("error", f"the torch peer process failed to start: "
+                           f"{self._torch_error}")
+        try:
+            return w.run(case, timing, peer="torch")
+        except (RuntimeError, BrokenPipeError, OSError) as exc:
+            self._torch = None
+            return not_run("error", f"torch peer process: {exc}")
 
     def close(self) -> None:
         for w in (self._numpy, self._torch):

@@ -39,7 +39,7 @@ from ..ops import get_op
 from . import environment, metrics
 from .dispatch import DispatchConfig, entries_of, measure_dispatch
 from .interrupt import LATCH
-from .peers import PEER_NAMES, Peers, jax_device_for, missing_promised, peer_name
+from .peers import NUMPY_PEER, PEER_NAMES, Peers, missing_promised, own_jax_device, peer_name
 from .probes import Roofline, combine, lift, probe_jax, probe_kernel_backend
 from .report import fmt_time
 from .suites import TIMING, BenchCase, make_inputs, metadata_inputs, operand_names, suite_cases
@@ -110,9 +110,17 @@ class Progress:
 
 
 # --- targets ----------------------------------------------------------------------------------
+def _is_oracle(name: str) -> bool:
+    """Whether backend ``name`` is the float64 oracle (``Backend.oracle``: numpy), which the
+    benchmark measures as a peer, never as a target."""
+    got = registry.load(name)
+    return isinstance(got, type) and got.oracle
+
+
 def default_targets() -> tuple[list[str], dict[str, str]]:
-    """Every available backend target except numpy (a peer and the oracle, not a kernel)."""
-    return registry.available_targets(exclude=("numpy",))
+    """Every available backend target except the oracle (a peer, not a kernel)."""
+    return registry.available_targets(
+        exclude=tuple(n for n in registry.names() if _is_oracle(n)))
 
 
 def open_targets(wanted: tuple[str, ...] | None) -> tuple[list[Backend], dict[str, str]]:
@@ -122,8 +130,9 @@ def open_targets(wanted: tuple[str, ...] | None) -> tuple[list[Backend], dict[st
         sels, skipped = default_targets()
     out: list[Backend] = []
     for sel in sels:
-        if selection.parse(sel, "--backends")[0] == "numpy":
-            raise ValueError("--backends numpy: numpy is the float64 oracle and a peer (the "
+        name = selection.parse(sel, "--backends")[0]
+        if _is_oracle(name):
+            raise ValueError(f"--backends {name}: {name} is the float64 oracle and a peer (the "
                              "numpy/BLAS column), not a portable kernel; expected opencl, cuda, "
                              "jax or a plugin backend.")
         try:
@@ -152,14 +161,12 @@ def run_probes(be: Backend, compute_dtypes: list[str]) -> Roofline:
     try:
         if isinstance(be, KernelBackend):
             return probe_kernel_backend(be, compute_dtypes)
-        if be.name == "jax":
-            dev, why = jax_device_for(be)
-            if dev is None:
-                return Roofline(status="unavailable", reason=why)
+        dev = own_jax_device(be)
+        if dev is not None:  # the jax backend: probed with jax on its own device
             return probe_jax(dev, be.device_class, compute_dtypes)
         return Roofline(status="unavailable",
                         reason=f"no probe for {be.name}: it neither compiles portakern C "
-                               "kernels nor is jax")
+                               "kernels nor computes on a jax device of its own")
     except KeyboardInterrupt:
         raise
     except Exception as exc:
@@ -413,7 +420,8 @@ def run_case(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None]
                 progress.done(mp)
                 d = mp.as_dict()
                 d["name"] = name
-                if key == "numpy" and mp.info.get("blas") and name == PEER_NAMES["numpy"]:
+                if (key == NUMPY_PEER and mp.info.get("blas")
+                        and name == PEER_NAMES[NUMPY_PEER]):
                     d["name"] = f"numpy/{mp.info['blas']}"
                 rec["peers"][key] = d
                 gc.collect()
@@ -547,7 +555,7 @@ def _run_bench(cfg: BenchConfig) -> dict[str, Any]:
             result["targets"][be.label]["roofline_effective"] = probed[
                 hardware_key(be)].as_dict()
             result["targets"][be.label]["device_key"] = f"{hardware_key(be)} @ {hostname}"
-        if "numpy" in peers.wanted and any(b.device.kind == "cpu" for b in targets):
+        if NUMPY_PEER in peers.wanted and any(b.device.kind == "cpu" for b in targets):
             env["numpy_peer"] = peers.numpy_info()
         write_json(result, cfg.out)
         if cfg.dispatch_enabled():
