@@ -24,14 +24,27 @@ from .info import to_backend
 from .ops import register_op as _register_op
 from .ops import unregister_op
 from .selection import explain, use
-from .spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
+from .spec import (
+    ArrayMeta,
+    Buf,
+    Cost,
+    KernelSpec,
+    Launch,
+    Operand,
+    PallasKernel,
+    Problem,
+    Scalar,
+    Tunable,
+)
+from .statmodel import StatModel
 from .verify import Verdict, verify
 
 __all__ = [
     "ArrayMeta", "BackendUnavailable", "Buf", "CompileError", "Cost", "DTypeError",
     "DeviceMemoryError", "InvalidArgumentError", "KernelFaultError", "KernelSpec", "Launch",
     "NotAnArrayError",
-    "Operand", "PortakernError", "Problem", "Scalar", "ShapeError", "SpecError", "Tunable",
+    "Operand", "PallasKernel", "PortakernError", "Problem", "Scalar", "ShapeError", "SpecError",
+    "StatModel", "Tunable",
     "UnknownBackendError", "UnsupportedDTypeError", "attention", "backends", "call",
     "explain", "matmul", "refresh_backends", "register_cases", "register_op", "rmsnorm",
     "softmax", "to_backend",

@@ -30,6 +30,7 @@ from .errors import (
 
 if TYPE_CHECKING:  # sampling imports nothing from here, but keep spec importable on its own
     from .sampling import Case, Chooser
+    from .statmodel import StatModel
 
 _SPEC_TOKENS = itertools.count()
 
@@ -245,6 +246,16 @@ class KernelSpec:
     # shapes: {operand: dims}, each dim a size name shared across operands or a fixed int, e.g.
     # {"x": ("rows", "n"), "w": ("n",)}: the shape family the derived generator draws from.
     shapes: Mapping[str, Sequence[str | int] | str] | None = None
+    # statistical(p, inputs64, ref) -> portakern.StatModel(sigma, slack, group_axes): the op's
+    # probabilistic rounding-error model for one problem, behind the statistical check of
+    # pk.verify, the suite and `portakern check` (portakern.verify's docstring). ``inputs64``:
+    # the operands by name, float ones in float64 (absent optional ones left out); ``ref``: the
+    # float64 oracle. sigma (the random part's scale) and slack (the deterministic part's
+    # bound) broadcast to the output; group_axes: output axes whose errors may be correlated
+    # (softmax and rmsnorm: (-1,), a row shares its sum). One-output ops only. Absent: the
+    # worst-case check alone. The model describes `semantics`' errors: `replace(semantics=...)`
+    # without a new `statistical` drops it.
+    statistical: Callable[[Problem, dict[str, np.ndarray], np.ndarray], StatModel] | None = None
     # A process-unique identity for caches (compiled kernels, plans, validated problems).
     # Not id(spec): a freed spec's id is reused, and a cache would hand its kernel to another.
     token: int = field(default_factory=lambda: next(_SPEC_TOKENS), init=False, compare=False,
@@ -373,5 +384,12 @@ class KernelSpec:
         return cfg
 
     def replace(self, **changes: Any) -> KernelSpec:
+        """A copy with ``changes``. A copy given other ``semantics`` and no ``statistical``
+        loses the statistical model: that model describes the errors of this spec's semantics,
+        not of the new ones (a matmul copy computing something else must not be judged by
+        matmul's model); give ``statistical=`` again to keep one."""
+        if "semantics" in changes and "statistical" not in changes \
+                and changes["semantics"] is not self.semantics:
+            changes = {**changes, "statistical": None}
         return dataclasses.replace(self, **changes)
 

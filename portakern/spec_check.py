@@ -7,7 +7,9 @@ deep inside a backend on some other machine. ``check_spec`` is what ``register_o
 (milliseconds): names, operands, parameters, required callables, the semantics' signature,
 tunables and every schedule against their domains, and — on the example problem of each
 dtype — slots, defines, launches (every entry point they name must be defined in ``source``
-with ``PK_KERNEL void name(``), cost, and the semantics' output shape. Several outputs
+with ``PK_KERNEL void name(``, or ``PK_KERNEL PK_LAUNCH_BOUNDS(n, m) void name(``), cost, the
+semantics' output shape and the statistical model's form; each ``examples`` call validated and
+checked the same way. Several outputs
 (``Problem.outputs``), int32 operands and int32 workspaces are checked like the rest: each
 output named, shaped and typed, the semantics returning one array per output, ``tolerance``
 one bound per output (``output_bounds``). Compiling the example everywhere and running the
@@ -29,17 +31,23 @@ from .errors import DTypeError, PortakernError, SpecError
 from .sampling import EDGE_SIZES, Case, Chooser
 from .spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Problem, Scalar, Tunable
 
-ENTRY_POINT = re.compile(r"PK_KERNEL\s+void\s+([A-Za-z_]\w*)\s*\(")
+# PK_KERNEL [PK_LAUNCH_BOUNDS(n, m)] void name(  -- the bounds' arguments may hold one level
+# of parentheses, e.g. PK_LAUNCH_BOUNDS((LX * LY), 2)
+ENTRY_POINT = re.compile(r"PK_KERNEL\s+(?:PK_LAUNCH_BOUNDS\s*\((?:[^()]|\([^()]*\))*\)\s*)?"
+                         r"void\s+([A-Za-z_]\w*)\s*\(")
 RESERVED_PARAMS = ("backend", "config")  # keywords of portakern.call itself
 REQUIRED_CALLABLES = ("validate", "semantics", "slots", "defines", "launches", "cost",
                       "tolerance")
-OPTIONAL_CALLABLES = ("config_check", "pallas", "example", "cases")
+OPTIONAL_CALLABLES = ("config_check", "pallas", "example", "examples", "cases", "statistical")
 # the derived generator's sizes: last axes (where kernels tile) from the edge list, other axes
 # small so that rank-3 and rank-4 families stay cheap on a 2-core CPU
 SMALL_SIZES = (1, 2, 3, 5, 8, 17)
 # the derived example's sizes: last axes long, other axes a few
 EXAMPLE_LAST, EXAMPLE_OTHER = 1024, 8
 MAX_EVAL_ELEMENTS = 1 << 22  # evaluate semantics at registration only on examples this small
+# ... and the statistical model only on examples of at most this many flops (spec.cost): a
+# model may do work like the op's own in float64 numpy (matmul's: every product, K per output)
+MAX_EVAL_FLOPS = 1 << 26
 
 
 def spec_error(spec: str, field: str, what: str, fix: str) -> SpecError:
@@ -49,7 +57,8 @@ def spec_error(spec: str, field: str, what: str, fix: str) -> SpecError:
 
 
 def kernel_names(source: str) -> list[str]:
-    """Entry points a source defines (``PK_KERNEL void name(``), in order of appearance."""
+    """Entry points a source defines (``PK_KERNEL void name(``, launch bounds allowed between
+    PK_KERNEL and void), in order of appearance."""
     return ENTRY_POINT.findall(source)
 
 
@@ -243,11 +252,61 @@ def check_spec(spec: KernelSpec) -> dict[str, Problem]:
         raise spec_error(spec.name, "example" if spec.example is not None else "shapes",
                          f"validate refused the example in every dtype ({refused})",
                          "make validate accept at least one float dtype")
+    _check_examples(spec, problems, kernels)
     first = next(iter(problems.values()), None)
     _check_semantics_binds(spec, first)
     if first is not None:
+        if spec.statistical is not None and first.outputs is not None:
+            raise spec_error(spec.name, "statistical", "is set on an op with several outputs "
+                             f"({list(first.outputs)}), whose outputs get the worst-case check "
+                             "only", "statistical=None (tolerance bounds every output)")
         _check_semantics_output(spec, first)
     return problems
+
+
+def _check_examples(spec: KernelSpec, problems: Mapping[str, Problem],
+                    kernels: list[str]) -> None:
+    """Each ``examples(dtype)`` call (what the compile checks and `portakern resources`
+    render) is a labelled call validate accepts and the spec's functions handle, in every dtype
+    the example is accepted in (every dtype validate takes, for a spec without an example)."""
+    if spec.examples is None:
+        return
+    n, fix = spec.name, _FIXES["examples"]
+    for dt in problems or dtypes.FLOAT_DTYPES:
+        got = _call(spec, "examples", spec.examples, dt)
+        if isinstance(got, (str, bytes, Mapping)) or not isinstance(got, (list, tuple)):
+            raise spec_error(n, "examples", f"returned {type(got).__name__} for {dt}; expected "
+                             "a list of (label, operands, params)", fix)
+        labels: set[str] = set()
+        for entry in got:
+            if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)
+                    and isinstance(entry[1], Mapping) and isinstance(entry[2], Mapping)):
+                raise spec_error(n, "examples", f"returned the entry {entry!r} for {dt}; "
+                                 "expected (label, {operand: array}, {param: value})", fix)
+            label, arrays, params = entry
+            if label in labels:
+                raise spec_error(n, "examples", f"returned the label {label!r} twice for {dt} "
+                                 "(it names the call in compile-check results)",
+                                 "give every call its own label")
+            labels.add(label)
+            try:
+                prob = spec.problem(*spec.bind((), {**arrays, **params}))
+            except DTypeError as exc:
+                if dt in problems:
+                    raise spec_error(n, "examples", f"the {dt} call {label!r} was refused by "
+                                     f"validate, which accepts the example in {dt}: {exc}",
+                                     "give operands of the dtype examples() is asked "
+                                     "for") from exc
+                continue  # the op does not take this dtype
+            except PortakernError as exc:
+                raise spec_error(n, "examples", f"the {dt} call {label!r} was refused by "
+                                 f"validate: {exc}", fix) from exc
+            try:
+                _check_problem(spec, prob, kernels)
+            except SpecError as exc:
+                raise spec_error(n, "examples", f"the {dt} call {label!r} fails a check the "
+                                 f"spec's functions pass on its example: {exc}",
+                                 "fix the field named there, or drop that call") from exc
 
 
 def _check_signature(spec: KernelSpec) -> None:
@@ -324,7 +383,12 @@ _FIXES: dict[str, str] = {
     "config_check": "config_check(p_or_None, cfg) -> None or a reason string",
     "pallas": "pallas=None unless you ship a Pallas kernel builder",
     "example": "example(dtype) -> ({operand: ArrayMeta(shape, dtype)}, {param: value})",
+    "examples": "examples(dtype) -> [(label, {operand: ArrayMeta(shape, dtype)}, {param: "
+                "value}), ...]: calls validate accepts, one label each (or examples=None)",
     "cases": "cases(chooser, dtype) -> portakern.cases.Case",
+    "statistical": "statistical(p, inputs64, ref) -> portakern.StatModel(sigma, slack, "
+                   "group_axes), sigma and slack broadcasting to the output (or "
+                   "statistical=None: the worst-case check alone)",
 }
 
 
@@ -612,6 +676,31 @@ def _zeros(spec: KernelSpec, prob: Problem) -> list[np.ndarray | None]:
     return out
 
 
+def _check_statistical(spec: KernelSpec, prob: Problem, ins: dict[str, np.ndarray],
+                       ref: np.ndarray) -> None:
+    """The model on the example: a StatModel whose sigma and slack broadcast to the output
+    and whose group_axes are output axes (portakern.verify reads nothing else)."""
+    st = _call(spec, "statistical", spec.statistical, prob, ins, ref)
+    fix = _FIXES["statistical"]
+    if not all(hasattr(st, a) for a in ("sigma", "slack", "group_axes")):
+        raise spec_error(spec.name, "statistical", f"returned {type(st).__name__}, not a "
+                         "portakern.StatModel", fix)
+    for what in ("sigma", "slack"):
+        try:
+            np.broadcast_to(np.asarray(getattr(st, what), dtype=np.float64), ref.shape)
+        except (ValueError, TypeError):
+            raise spec_error(spec.name, "statistical", f"returns a {what} of shape "
+                             f"{np.shape(getattr(st, what))}, which does not broadcast to the "
+                             f"output's shape {ref.shape}", fix) from None
+    axes = st.group_axes
+    if not isinstance(axes, tuple) or not all(
+            isinstance(a, (int, np.integer)) and not isinstance(a, bool)
+            and -ref.ndim <= a < ref.ndim for a in axes):
+        raise spec_error(spec.name, "statistical", f"returns group_axes={axes!r}; expected a "
+                         f"tuple of axes of the {ref.ndim}-d output", "e.g. (-1,) when a row's "
+                         "errors share its sum, () when every element's are independent")
+
+
 def _check_semantics_output(spec: KernelSpec, prob: Problem) -> None:
     """Run semantics and tolerance once on zeros of the example's shapes (numpy, float64):
     one array per output of the declared shape, one non-negative bound per output."""
@@ -648,6 +737,8 @@ def _check_semantics_output(spec: KernelSpec, prob: Problem) -> None:
         raw = _call(spec, "tolerance", spec.tolerance, prob, ins,
                     refs64[0] if prob.outputs is None else refs64)
         bounds = (raw,) if prob.outputs is None else output_bounds(spec.name, outs, raw)
+        if spec.statistical is not None and spec.cost(prob).flops <= MAX_EVAL_FLOPS:
+            _check_statistical(spec, prob, ins, refs64[0])
     for (name, _), ref, b in zip(outs.items(), refs64, bounds):
         if b is None:
             continue  # exact

@@ -1,4 +1,4 @@
-"""The statistical error model an op's ``stat`` function returns (core layer).
+"""The statistical error model an op's ``KernelSpec.statistical`` returns (core layer).
 
 Its own module so the ops (below the runtime) can build one without importing
 portakern.verify, which checks results against it (see that module's docstring).
@@ -12,7 +12,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class StatModel:
-    """An op's probabilistic error model for one problem (see the module docstring).
+    """An op's probabilistic error model for one problem (portakern.verify's docstring).
 
     sigma: random part's scale (sub-Gaussian variance proxy sigma^2), broadcastable to the
     output; slack: deterministic part's bound (0 where none); group_axes: output axes along

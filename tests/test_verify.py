@@ -161,13 +161,52 @@ def test_other_ops_have_both_checks(target: str, op: str, args: list, params: di
     assert not pk.verify(op, *xs, got=wrong, **params).ok
 
 
-def test_user_op_gets_the_worst_case_check_only() -> None:
-    from portakern.ops import get_op
+def test_the_model_is_the_specs_statistical_field() -> None:
+    """Issue 15: an op's model is its KernelSpec's ``statistical``, looked up by no name, so a
+    renamed copy computing the same thing keeps it."""
+    from portakern.ops import attention, get_op, matmul, rmsnorm, softmax
     from portakern.verify import statistical_model
 
-    other = get_op("softmax").replace(name="softmax_copy", semantics=lambda xp, x, axis=-1: x)
-    assert statistical_model(other) is None
-    assert statistical_model(get_op("matmul")) is not None
+    for mod in (matmul, softmax, attention, rmsnorm):
+        assert mod.SPEC.statistical is mod.statistical
+        assert statistical_model(get_op(mod.SPEC.name)) is mod.statistical
+    copy = get_op("matmul").replace(name="my_matmul", doc="renamed")
+    assert statistical_model(copy) is matmul.statistical
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((8, 512)).astype(np.float32)
+    b = rng.standard_normal((512, 16)).astype(np.float32)
+    v = pk.verify(copy, a, b, got=a @ b)
+    assert v.ok and v.stat_ratio is not None and len(v.checks) == 2
+
+
+def _plus_one(xp: object, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return a @ b + 1.0
+
+
+def test_a_copy_with_other_semantics_loses_the_model() -> None:
+    """matmul's model describes matmul's rounding errors: a copy given other semantics is
+    judged by its tolerance alone (the old name+semantics check's guard), unless it gives a
+    model of its own; a user op without one gets the worst-case check only."""
+    from portakern.ops import get_op, matmul
+    from portakern.verify import statistical_model
+
+    mm = get_op("matmul")
+    other = mm.replace(name="matmul_plus_one", semantics=_plus_one)
+    assert other.statistical is None and statistical_model(other) is None
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((8, 512)).astype(np.float32)
+    b = rng.standard_normal((512, 16)).astype(np.float32)
+    got = (a.astype(np.float64) @ b + 1.0).astype(np.float32)
+    v = pk.verify(other, a, b, got=got)
+    assert v.ok and v.stat_ratio is None and [c.name for c in v.checks] == ["worst-case"]
+    # the same semantics given again, or a model given with the new ones, is kept
+    assert mm.replace(semantics=mm.semantics).statistical is matmul.statistical
+    own = mm.replace(name="matmul_plus_one", semantics=_plus_one,
+                     statistical=matmul.statistical)
+    assert statistical_model(own) is matmul.statistical
+    assert pk.verify(own, a, b, got=got).stat_ratio is not None
+    user = get_op("softmax").replace(name="softmax_copy", semantics=lambda xp, x, axis=-1: x)
+    assert statistical_model(user) is None
 
 
 def test_threshold_false_alarm_probability() -> None:

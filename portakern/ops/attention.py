@@ -506,6 +506,7 @@ SPEC = KernelSpec(
     workspace=workspace,
     cost=cost,
     tolerance=tolerance,
+    statistical=statistical,
     tunables=(Tunable("BQ", (1, 2, 4, 8, 16, 32, 64, 128, 256), "queries per work-group"),
               Tunable("BK", (1, 2, 4, 8, 16, 32, 64, 128), "keys per local-memory tile"),
               Tunable("TQ", (1, 2, 4, 6, 8), "queries per register block of a work-item"),

@@ -306,6 +306,7 @@ SPEC = KernelSpec(
     launches=launches,
     cost=cost,
     tolerance=tolerance,
+    statistical=statistical,
     tunables=TUNABLES,
     schedules={
         "gpu": {"TM": 4, "TN": 4, "LX": 16, "LY": 16, "TK": 16, "USE_LOCAL": 1, "VEC": 1,

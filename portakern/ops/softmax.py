@@ -195,6 +195,7 @@ SPEC = KernelSpec(
     launches=launches,
     cost=cost,
     tolerance=tolerance,
+    statistical=statistical,
     tunables=(Tunable("WG", (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
                       "work-items per row (a power of two: tree reduction)"),
               Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes (CPU schedule, contiguous rows)"),
