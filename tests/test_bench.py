@@ -569,7 +569,8 @@ def test_tiny_real_run_writes_json_markdown_and_png(tmp_path: Path,
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the dispatch-overhead measurement ran on the OpenCL target and is in both outputs
     disp = res["dispatch"][target]["pk.softmax"]
-    assert disp["status"] == "ok" and set(disp["overhead_us"]) == {"call", "call_out"}
+    assert disp["status"] == "ok" and set(disp["overhead_us"]) == {
+        "call", "call_out", "call_backend", "call_use"}
     for k in ("fma_gflops", "copy_gbs"):  # the roof used is never below the probes'
         used = res["targets"][target]["roofline_effective"][k]
         probed = res["targets"][target]["roofline_probes"][k]
@@ -786,8 +787,12 @@ def test_dispatch_is_measured_for_the_named_entry_points_on_opencl() -> None:
         # OpenCL holds its queue: the host's side is measured and the target judged on it
         assert rec["judged_on"] == "host"
         h = rec["host"]
-        for v in ("call", "call_out", "raw"):
+        for v in ("call", "call_out", "call_backend", "call_use", "raw"):
             assert len(h["per_call_us"][v]["samples"]) == 3 and h["per_call_us"][v]["median"] > 0
+        # the three selection modes the issue names are each measured and judged
+        assert set(rec["meets_target"]) == {"call", "call_out", "call_backend", "call_use"}
+        assert "backend='opencl:" in rec["what"]["call_backend"]
+        assert "pk.use(" in rec["what"]["call_use"]
         assert h["overhead_us"]["call"] == pytest.approx(
             h["per_call_us"]["call"]["median"] - h["per_call_us"]["raw"]["median"])
         assert rec["meets_target"]["call"] == (h["overhead_us"]["call"] <= TARGET_US)
@@ -815,16 +820,19 @@ def test_dispatch_is_not_applicable_without_c_kernels_and_renders() -> None:
           **summarize_dispatch({"call": [30e-6] * 3, "call_out": [15e-6] * 3,
                                 "raw": [10e-6] * 3}, target_us=5.0)}
     text = "\n".join(dispatch_markdown({"opencl:0": {"pk.softmax": ok}, "stub:0": rec}))
-    assert ("| opencl:0 | pk.softmax(x) | n/a | n/a | n/a | 30 µs ±0% | 10 µs ±0% | +20 µs | "
-            "+5 µs | call no, out= yes (wall) |") in text
+    assert ("| opencl:0 | pk.softmax(x) | n/a | n/a | n/a | n/a | n/a | 30 µs ±0% | 10 µs ±0% | "
+            "+20 µs | +5 µs | call no, out= yes (wall) |") in text
     assert "| stub:0 | all entry points | not_applicable |" in text
-    host = summarize_dispatch({"call": [6e-6] * 3, "call_out": [4e-6] * 3, "raw": [2e-6] * 3})
+    host = summarize_dispatch({"call": [6e-6] * 3, "call_out": [4e-6] * 3,
+                               "call_backend": [5e-6] * 3, "call_use": [8e-6] * 3,
+                               "raw": [2e-6] * 3})
     held = {**ok, "host": {k: host[k] for k in ("per_call_us", "overhead_us",
                                                 "overhead_paired_us")},
             "meets_target": host["meets_target"], "judged_on": "host"}
     text = "\n".join(dispatch_markdown({"opencl:0": {"pk.softmax": held}}))
-    assert ("| opencl:0 | pk.softmax(x) | +4 µs | +2 µs | 2 µs ±0% | 30 µs ±0% | 10 µs ±0% | "
-            "+20 µs | +5 µs | call yes, out= yes (host) |") in text
+    assert ("| opencl:0 | pk.softmax(x) | +4 µs | +2 µs | +3 µs | +6 µs | 2 µs ±0% | 30 µs ±0% "
+            "| 10 µs ±0% | +20 µs | +5 µs | call yes, out= yes, backend= yes, pk.use no (host) |"
+            ) in text
 
 
 def test_an_op_without_sizes_is_named_not_fatal_in_the_default_op_list() -> None:

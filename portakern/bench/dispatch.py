@@ -12,12 +12,16 @@ the backend picked from the inputs (no ``backend=``) when that picks the target 
 - ``pk.matmul``: ``pk.matmul(a, b)`` on 8x8 @ 8x8;
 - ``pk.attention``: ``pk.attention(q, k, v, causal=True)`` on B1 H1 S8 D16;
 
-and for each three implementations:
+and for each five implementations:
 
-- ``call``: the named call;
+- ``call``: the named call, the backend picked automatically (as the quick start calls it);
 - ``call_out``: the same writing into a preallocated ``out=`` (through the named function if
   it takes ``out=``, else ``pk.call(op, ..., out=o)`` with the same keywords; ``what`` says
   which);
+- ``call_backend``: the named call with ``backend="<target>"``;
+- ``call_use``: the named call inside ``with pk.use(target):``, entered once per block of
+  calls as user code enters it (each selection mode has its own plan key, so each is warmed
+  up in its own mode);
 - ``raw``: the very kernel objects of the plan the call uses (``portakern.plan.plan_for``:
   the cached Plan of that call), launched through the device API by the backend's
   ``raw_launcher`` hook (OpenCL ``kernel.set_args(*args); enqueue_nd_range_kernel``, CUDA the
@@ -52,6 +56,7 @@ was measured, else on the wall overhead (``judged_on`` says which).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
@@ -64,7 +69,8 @@ import numpy as np
 from ..backends.base import Backend, KernelBackend
 from .timing import Clock, summarize
 
-VARIANTS = ("call", "call_out", "raw")
+VARIANTS = ("call", "call_out", "call_backend", "call_use", "raw")
+REQUIRED = ("call", "call_out", "raw")  # what every record has; the two others since issue 15
 TARGET_US = 5.0  # DESIGN.md: every entry point within 5 µs of a raw enqueue
 
 
@@ -133,23 +139,25 @@ def summarize_dispatch(per_call_s: Mapping[str, Sequence[float]],
     ``per_call_s[v][r]`` is implementation v's per-call time in round r (seconds); the three
     lists are aligned by round, which the paired differences rely on.
     """
-    missing = [v for v in VARIANTS if not per_call_s.get(v)]
+    missing = [v for v in REQUIRED if not per_call_s.get(v)]
     if missing:
-        raise ValueError(f"summarize_dispatch needs samples of {list(VARIANTS)}; missing "
+        raise ValueError(f"summarize_dispatch needs samples of {list(REQUIRED)}; missing "
                          f"{missing}.")
+    present = [v for v in VARIANTS if per_call_s.get(v)]
     n = len(per_call_s["raw"])
-    if any(len(per_call_s[v]) != n for v in VARIANTS):
+    if any(len(per_call_s[v]) != n for v in present):
         raise ValueError("summarize_dispatch: the implementations have different numbers of "
-                         f"rounds ({ {v: len(per_call_s[v]) for v in VARIANTS} }); expected "
+                         f"rounds ({ {v: len(per_call_s[v]) for v in present} }); expected "
                          "one sample per implementation per round.")
-    us = {v: [1e6 * float(t) for t in per_call_s[v]] for v in VARIANTS}
-    stats = {v: summarize(us[v]) for v in VARIANTS}
+    us = {v: [1e6 * float(t) for t in per_call_s[v]] for v in present}
+    stats = {v: summarize(us[v]) for v in present}
     per_call = {v: {"median": st.median, "q1": st.q1, "q3": st.q3, "min": st.min,
                     "max": st.max, "samples": us[v]} for v, st in stats.items()}
     raw = stats["raw"].median
-    overhead = {v: stats[v].median - raw for v in ("call", "call_out")}
+    calls = [v for v in present if v != "raw"]
+    overhead = {v: stats[v].median - raw for v in calls}
     paired = {v: summarize([a - b for a, b in zip(us[v], us["raw"], strict=True)]).median
-              for v in ("call", "call_out")}
+              for v in calls}
     return {"per_call_us": per_call, "overhead_us": overhead, "overhead_paired_us": paired,
             "target_us": target_us,
             "meets_target": {v: bool(overhead[v] <= target_us) for v in overhead}}
@@ -242,21 +250,34 @@ def measure_entry(be: KernelBackend, entry: Entry, cfg: DispatchConfig, *,
     def f_call() -> None:
         named(*operands, **kwargs)
 
-    fns: dict[str, Callable[[], None]] = {"call": f_call, "call_out": f_call_out, "raw": raw}
+    label = be.label
+
+    def f_call_backend() -> None:
+        named(*operands, **kwargs, backend=label)
+
+    fns: dict[str, Callable[[], None]] = {"call": f_call, "call_out": f_call_out,
+                                          "call_backend": f_call_backend, "call_use": f_call,
+                                          "raw": raw}
+    # call_use is the plain call inside `with pk.use(target):`, entered once per block as a
+    # user's code enters it around its calls, not per call
+    scopes: dict[str, Callable[[], Any]] = {"call_use": lambda: selection.use(be)}
     sync = be.synchronize
     iters = cfg.iterations
 
-    def block(fn: Callable[[], None]) -> float:
-        t0 = clock()
-        for _ in range(iters):
-            fn()
-        sync()
-        return (clock() - t0) / iters
+    def block(v: str) -> float:
+        fn, scope = fns[v], scopes.get(v, contextlib.nullcontext)
+        with scope():
+            t0 = clock()
+            for _ in range(iters):
+                fn()
+            sync()
+            return (clock() - t0) / iters
 
     held = be.held_queue() is not None
 
-    def held_block(fn: Callable[[], None]) -> float:
-        with be.held_queue():
+    def held_block(v: str) -> float:
+        fn, scope = fns[v], scopes.get(v, contextlib.nullcontext)
+        with scope(), be.held_queue():
             t0 = clock()
             for _ in range(iters):
                 fn()
@@ -274,8 +295,9 @@ def measure_entry(be: KernelBackend, entry: Entry, cfg: DispatchConfig, *,
         chosen.__enter__()
     try:
         for v in VARIANTS:
-            for _ in range(cfg.warmup):
-                fns[v]()
+            with scopes.get(v, contextlib.nullcontext)():
+                for _ in range(cfg.warmup):
+                    fns[v]()
             sync()
         raw()
         sync()
@@ -285,9 +307,9 @@ def measure_entry(be: KernelBackend, entry: Entry, cfg: DispatchConfig, *,
         for r in range(cfg.rounds):
             k = r % len(VARIANTS)
             for v in VARIANTS[k:] + VARIANTS[:k]:
-                per_call[v].append(block(fns[v]))
+                per_call[v].append(block(v))
                 if held:
-                    held_times[v].append(held_block(fns[v]))
+                    held_times[v].append(held_block(v))
     finally:
         if chosen is not None:
             chosen.__exit__(None, None, None)
@@ -308,6 +330,9 @@ def measure_entry(be: KernelBackend, entry: Entry, cfg: DispatchConfig, *,
                 f"{how}: binding, memoised validation, backend resolution, launch plan, "
                 "output allocation and enqueue",
         "call_out": out_what + ": the same without the output allocation",
+        "call_backend": f"{entry.text[:-1]}, backend={be.label!r}): the target named",
+        "call_use": f"{entry.text} inside `with pk.use({be.label!r})`, entered once per "
+                    "block of calls",
         "raw": "the backend's raw_launcher: the device API's own enqueue of the compiled "
                "kernels of the call's launch plan, every argument set on each launch "
                "(arguments and workspace built once, outside the timed region)",

@@ -413,6 +413,11 @@ def _us_spread(m: Mapping[str, float]) -> str:
     return text + (f" ±{100 * (m['q3'] - m['q1']) / 2 / med:.0f}%" if med > 0 else "")
 
 
+# the implementations with a host-overhead column, and their short names in the table
+HOST_COLUMNS = {"call": "call", "call_out": "out=", "call_backend": "backend=",
+                "call_use": "pk.use"}
+
+
 def dispatch_markdown(dispatch: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Lines of the dispatch-overhead table (one row per target and entry point; empty when
     not measured)."""
@@ -425,33 +430,40 @@ def dispatch_markdown(dispatch: Mapping[str, Mapping[str, Any]]) -> list[str]:
     for target, rec in dispatch.items():
         for name, d in entries_of(rec).items():
             if d.get("status") != "ok":
-                rows.append([target, name, d.get("status", "?"), "", "", "", "", "", "",
+                rows.append([target, name, d.get("status", "?"), *[""] * 8,
                              _cell(str(d.get("reason", ""))[:100])])
                 continue
             head = head or d
             pc, ov, ok = d["per_call_us"], d["overhead_us"], d["meets_target"]
             host = d.get("host")
-            hov = ([f"{host['overhead_us']['call']:+.3g} µs",
-                    f"{host['overhead_us']['call_out']:+.3g} µs",
-                    _us_spread(host["per_call_us"]["raw"])] if host else ["n/a", "n/a", "n/a"])
+
+            def over(o: Mapping[str, float], v: str) -> str:
+                return f"{o[v]:+.3g} µs" if v in o else "n/a"
+
+            hov = ([*(over(host["overhead_us"], v) for v in HOST_COLUMNS),
+                    _us_spread(host["per_call_us"]["raw"])] if host
+                   else ["n/a"] * (len(HOST_COLUMNS) + 1))
             judged = "host" if d.get("judged_on", "wall") == "host" else "wall"
+            within = ", ".join(f"{HOST_COLUMNS[v]} {'yes' if ok[v] else 'no'}"
+                               for v in HOST_COLUMNS if v in ok)
             rows.append([target, d.get("call", name), *hov, _us_spread(pc["call"]),
-                         _us_spread(pc["raw"]), f"{ov['call']:+.3g} µs",
-                         f"{ov['call_out']:+.3g} µs",
-                         f"call {'yes' if ok['call'] else 'no'}, out= "
-                         f"{'yes' if ok['call_out'] else 'no'} ({judged})"])
+                         _us_spread(pc["raw"]), over(ov, "call"), over(ov, "call_out"),
+                         f"{within} ({judged})"])
     bound = (head or {}).get("target_us", TARGET_US)
     what = (f"{head.get('dtype', '')}, device-resident, {head['iterations']} calls per block, "
             f"median of {head['rounds']} interleaved rounds" if head else "")
     return ["", f"Dispatch overhead of the calls users write ({what}; target: each adds at "
             f"most {bound:g} µs over the raw enqueue of the same compiled kernels). **Host**: "
             "the calls enqueued while the device queue is held, only the host's side timed "
-            "(portakern's own cost; the target is judged on it). **Wall**: the calls plus one "
+            "(portakern's own cost; the target is judged on it): the call as written (backend "
+            "picked from the inputs), with `out=`, with `backend=` and inside `pk.use(...)`. "
+            "**Wall**: the calls plus one "
             "synchronize per block, device work included; on a CPU device its worker threads "
             "share the host's cores and amplify host time (docs/bench.md):", "",
             md_table(["target", "call", "host overhead", "host overhead out=",
-                      "host raw enqueue", "wall per call", "wall raw enqueue",
-                      "wall overhead", "wall overhead out=", f"within {bound:g} µs"], rows)]
+                      "host overhead backend=", "host overhead pk.use", "host raw enqueue",
+                      "wall per call", "wall raw enqueue", "wall overhead",
+                      "wall overhead out=", f"within {bound:g} µs"], rows)]
 
 
 def warnings_markdown(missing: Mapping[str, str]) -> list[str]:

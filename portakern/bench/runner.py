@@ -41,7 +41,7 @@ from .dispatch import DispatchConfig, entries_of, measure_dispatch
 from .interrupt import LATCH
 from .peers import NUMPY_PEER, PEER_NAMES, Peers, missing_promised, own_jax_device, peer_name
 from .probes import Roofline, combine, lift, probe_jax, probe_kernel_backend
-from .report import fmt_time
+from .report import HOST_COLUMNS, fmt_time
 from .suites import TIMING, BenchCase, make_inputs, metadata_inputs, operand_names, suite_cases
 from .timing import Measurement, TimingConfig, measure, not_run
 
@@ -639,8 +639,9 @@ def run_dispatch(targets: list[Backend], cfg: BenchConfig, result: dict[str, Any
             if d.get("status") == "ok":
                 o = d["overhead_us"]
                 h = d.get("host")
-                hs = (f"host +{h['overhead_us']['call']:.3g} µs, out= "
-                      f"+{h['overhead_us']['call_out']:.3g} µs; " if h else "")
+                hs = ("host " + ", ".join(f"{k} {h['overhead_us'][v]:+.3g}"
+                                          for v, k in HOST_COLUMNS.items()
+                                          if v in h["overhead_us"]) + " µs; " if h else "")
                 progress.line(f"    {name:<13s} {hs}wall +{o['call']:.3g} µs, out= "
                               f"+{o['call_out']:.3g} µs over the raw enqueue "
                               f"({d['per_call_us']['raw']['median']:.3g} µs; target "
