@@ -58,3 +58,18 @@ def draw_case(op: str, data: st.DataObject, dtype: str) -> Case:
     case = CASES[op](HypothesisChooser(data), dtype)
     note(case.describe())
     return case
+
+
+def assert_spec_refused(bad: pk.KernelSpec, field: str, words: list[str],
+                        **register_kwargs: Any) -> None:
+    """``pk.register_op(bad)`` raises a SpecError naming the spec, the field, a fix and each
+    of ``words``, and leaves nothing registered."""
+    import pytest
+
+    with pytest.raises(pk.SpecError) as info:
+        pk.register_op(bad, **register_kwargs)
+    msg = str(info.value)
+    assert f"spec {bad.name!r}" in msg and f"field `{field}`" in msg and "Fix:" in msg, msg
+    for w in words:
+        assert w in msg, f"{w!r} not in: {msg}"
+    assert bad.name not in pk.ops.OPS
