@@ -122,6 +122,21 @@ def test_no_import_cycles() -> None:
 def test_no_submodule_imports_the_package() -> None:
     bad = sorted(m for m, deps in _graph().items() if m != "portakern" and "portakern" in deps)
     assert not bad, f"these import the package itself (use relative imports): {bad}"
+    # an absolute `from portakern.errors import X` imports the package first, too: submodules
+    # import each other relatively (function-level imports included)
+    absolute = []
+    for path in sorted((ROOT / "portakern").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in _nodes(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            if any(n.split(".")[0] == "portakern" for n in names):
+                absolute.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not absolute, "absolute imports of portakern inside it:\n" + "\n".join(absolute)
 
 
 def test_import_and_first_call_load_no_tool() -> None:

@@ -19,11 +19,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from portakern import codegen, dtypes, settings
-from portakern.errors import UnsupportedDTypeError
-from portakern.host import nbytes_of
-from portakern.lru import LRUCache  # noqa: F401  (re-exported: plan, jax)
-from portakern.spec import KernelSpec, Launch, Problem, storage_dtype
+from .. import codegen, dtypes, settings
+from ..errors import UnsupportedDTypeError
+from ..host import nbytes_of
+from ..lru import LRUCache  # noqa: F401  (re-exported: plan, jax)
+from ..spec import KernelSpec, Launch, Problem, storage_dtype
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from portakern.errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)

@@ -61,16 +61,15 @@ from typing import Any
 
 import numpy as np
 
-from portakern import dtypes, settings
-from portakern.errors import (
+from .. import dtypes, settings
+from ..errors import (
     BackendUnavailable,
     CompileError,
     DeviceMemoryError,
     InvalidArgumentError,
     UnknownBackendError,
 )
-from portakern.spec import Launch, storage_dtype
-
+from ..spec import Launch, storage_dtype
 from .base import Availability, DeviceInfo, KernelBackend
 
 try:  # optional dependency: guarded, with an install hint in the availability record
@@ -481,7 +480,7 @@ def _cache_dir() -> str | None:
     if settings.raw("PORTAKERN_CUDA_CACHE") is not None:
         got = settings.get("PORTAKERN_CUDA_CACHE")
     else:
-        from portakern.cache import cache_root
+        from ..cache import cache_root
 
         got = str(cache_root() / "cuda")
     if got is not None:

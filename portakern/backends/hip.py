@@ -42,8 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from portakern import settings
-from portakern.errors import BackendUnavailable, InvalidArgumentError
+from .. import settings
+from ..errors import BackendUnavailable, InvalidArgumentError
 
 DIALECT = "hip"
 DEFAULT_ARCHS: tuple[str, ...] = ("gfx906", "gfx90a", "gfx1030")

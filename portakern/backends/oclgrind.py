@@ -50,10 +50,9 @@ from typing import Any
 
 import numpy as np
 
-from portakern import settings
-from portakern.errors import BackendUnavailable, KernelFaultError, UnknownBackendError
-from portakern.spec import Launch
-
+from .. import settings
+from ..errors import BackendUnavailable, KernelFaultError, UnknownBackendError
+from ..spec import Launch
 from . import opencl
 from .base import Availability, DeviceInfo
 from .opencl import OpenCLBackend, _all_devices, _is_allocation_failure, cl

@@ -17,17 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from portakern import dtypes, settings
-from portakern.errors import (
+from .. import dtypes, settings
+from ..errors import (
     BackendUnavailable,
     CompileError,
     DeviceMemoryError,
     ForkedProcessError,
     UnknownBackendError,
 )
-from portakern.host import native_byte_order
-from portakern.spec import Launch, storage_dtype
-
+from ..host import native_byte_order
+from ..spec import Launch, storage_dtype
 from .base import Availability, DeviceInfo, KernelBackend
 
 try:  # optional dependency: guarded, with an install hint in the availability record
@@ -312,7 +311,7 @@ class OpenCLBackend(KernelBackend):
         if ctx is not self.ctx and ctx != self.ctx:  # identity first: the per-call path
             raise self._context_error(name, x)
         if x.offset or not x.flags.c_contiguous:
-            from portakern.errors import InvalidArgumentError
+            from ..errors import InvalidArgumentError
 
             raise InvalidArgumentError(
                 f"argument {name!r} is a non-contiguous or offset pyopencl view (strides "
@@ -322,7 +321,7 @@ class OpenCLBackend(KernelBackend):
             bd = x.base_data
             have = -1 if bd is None else bd.size
             if nbytes > have or nbytes != x.size * x.dtype.itemsize:
-                from portakern.errors import InvalidArgumentError
+                from ..errors import InvalidArgumentError
 
                 raise InvalidArgumentError(
                     f"argument {name!r} (pyopencl Array, shape {tuple(x.shape)}, dtype "
@@ -441,7 +440,7 @@ class OpenCLBackend(KernelBackend):
     def check_writable(self, spec: Any, out: Any) -> None:
         bd = out.base_data
         if bd is not None and bd.flags & cl.mem_flags.READ_ONLY:
-            from portakern.errors import InvalidArgumentError
+            from ..errors import InvalidArgumentError
 
             raise InvalidArgumentError(
                 f"{spec.name}: out= is backed by a READ_ONLY OpenCL buffer; the kernel must "
@@ -457,8 +456,7 @@ class OpenCLBackend(KernelBackend):
     def _context_error(self, name: str, x: Any) -> Exception:
         """Both contexts named (their devices, and the portakern backend that owns the array's
         context when there is one) and the fix."""
-        from portakern.errors import ContextMismatchError
-
+        from ..errors import ContextMismatchError
         from .base import _INSTANCES
 
         def devices(ctx: Any) -> str:
@@ -754,6 +752,6 @@ def _cache_dir() -> str | None:
         return None
     if os.path.expanduser("~") != "~":
         return None
-    from portakern.cache import cache_root
+    from ..cache import cache_root
 
     return str(cache_root() / "pyopencl")

@@ -51,10 +51,10 @@ from typing import Any
 
 import numpy as np
 
-from portakern import dtypes
-from portakern.errors import InvalidArgumentError, ShapeError
-from portakern.sampling import Case, Chooser
-from portakern.spec import (
+from .. import dtypes
+from ..errors import InvalidArgumentError, ShapeError
+from ..sampling import Case, Chooser
+from ..spec import (
     ArrayMeta,
     Buf,
     Cost,
@@ -172,7 +172,7 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
       with n: 0.5 (6 u ms + sigma) / q + 16 u relative, and the absolute floor.
 
     A row shares its sum, so its elements form one group."""
-    from portakern.statmodel import StatModel
+    from ..statmodel import StatModel
 
     xv, w = x["x"], x["weight"]
     n, eps = p.derived["n"], p.params["eps"]
