@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import os
 import statistics
 import sys
 import time
@@ -58,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import codegen, dtypes
+from . import codegen, dtypes, settings
 from .cache import Store
 from .errors import InvalidArgumentError, PortakernError, SpecError
 from .spec import KernelSpec, Problem
@@ -518,7 +517,7 @@ def _cmd(args: argparse.Namespace) -> int:
         base = Store(NAMESPACE).path
         print(f"tuning database: {base}")
         if mode() == "off":
-            print(f"(lookups are disabled by ${ENV_TUNING}={os.environ.get(ENV_TUNING)})")
+            print(f"(lookups are disabled by ${ENV_TUNING}={settings.raw(ENV_TUNING)})")
         keys = _all_device_keys()
         if not keys:
             print("  nothing tuned yet; run `portakern tune OP --backend B`")

@@ -14,14 +14,18 @@ SOURCES = sorted((ROOT / "portakern").rglob("*.py"))
 
 
 def test_every_variable_is_declared_and_read_only_through_settings() -> None:
+    # names bound to a variable's name (ENV_TUNING = "PORTAKERN_TUNING") count as the name
+    aliases = {m for path in SOURCES for m in
+               re.findall(r"^\s*([A-Za-z_]\w*)\s*(?::\s*\w+\s*)?=\s*[\"']PORTAKERN_",
+                          path.read_text(), re.M)}
+    names = "|".join([r"[\"']PORTAKERN_\w+", *(rf"{a}\b" for a in sorted(aliases))])
+    read = re.compile(rf"(?:environ\.get|getenv|environ\[)\(?\s*(?:{names})")
     undeclared, direct = set(), []
     for path in SOURCES:
         text = path.read_text()
         undeclared |= set(re.findall(r"PORTAKERN_[A-Z0-9_]+", text)) - set(settings.SETTINGS)
         if path.name != "settings.py":
-            direct += [f"{path.name}: {m}" for m in
-                       re.findall(r"(?:environ\.get|getenv|environ\[)\(?\s*[\"']PORTAKERN_\w+",
-                                  text)]
+            direct += [f"{path.name}: {m}" for m in read.findall(text)]
     assert not undeclared, f"not declared in portakern/settings.py: {sorted(undeclared)}"
     assert not direct, f"read around portakern.settings: {direct}"
 
