@@ -75,7 +75,7 @@ TARGET_US = 5.0  # DESIGN.md: every entry point within 5 µs of a raw enqueue
 
 
 @dataclass(frozen=True)
-class Entry:
+class DispatchEntry:
     """One entry point as users write it: the named function, its operands and keywords."""
 
     name: str  # "pk.softmax": the key in the result file
@@ -95,9 +95,9 @@ class Entry:
 
 
 ENTRIES = (
-    Entry("pk.softmax", "softmax", (("x", (4, 8)),)),
-    Entry("pk.matmul", "matmul", (("a", (8, 8)), ("b", (8, 8)))),
-    Entry("pk.attention", "attention",
+    DispatchEntry("pk.softmax", "softmax", (("x", (4, 8)),)),
+    DispatchEntry("pk.matmul", "matmul", (("a", (8, 8)), ("b", (8, 8)))),
+    DispatchEntry("pk.attention", "attention",
           (("q", (1, 1, 8, 16)), ("k", (1, 1, 8, 16)), ("v", (1, 1, 8, 16))),
           (("causal", True),)),
 )
@@ -107,7 +107,7 @@ ENTRIES = (
 class DispatchConfig:
     """What the dispatch measurement runs: the entry points, and how many calls per block."""
 
-    entries: tuple[Entry, ...] = field(default=ENTRIES)
+    entries: tuple[DispatchEntry, ...] = field(default=ENTRIES)
     dtype: str = "float32"
     iterations: int = 200  # calls per timed block (then one synchronize)
     rounds: int = 15  # blocks per implementation, interleaved
@@ -193,7 +193,7 @@ def not_applicable(be: Backend, why: str) -> dict[str, Any]:
     return {"status": "not_applicable", "reason": why, "target": be.label}
 
 
-def _named(entry: Entry) -> Callable[..., Any]:
+def _named(entry: DispatchEntry) -> Callable[..., Any]:
     from .. import api  # pk.softmax is api.softmax: the package itself is never imported here
 
     return getattr(api, entry.name.split(".", 1)[1])
@@ -205,7 +205,7 @@ def _ok_error(got: np.ndarray, ref: np.ndarray) -> tuple[float, bool]:
     return err, math.isfinite(err) and err <= 1e-5 * max(1.0, scale)
 
 
-def measure_entry(be: KernelBackend, entry: Entry, cfg: DispatchConfig, *,
+def measure_entry(be: KernelBackend, entry: DispatchEntry, cfg: DispatchConfig, *,
                   clock: Clock = time.perf_counter) -> dict[str, Any]:
     """Time ``call``, ``call_out`` and ``raw`` of one entry point on ``be``."""
     from .. import dtypes, selection
