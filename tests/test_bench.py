@@ -772,7 +772,7 @@ def test_dispatch_is_measured_for_the_named_entry_points_on_opencl() -> None:
 
     be = selection.get(_opencl_target())
     got = measure_dispatch(be, DispatchConfig(iterations=10, rounds=3, warmup=2))
-    assert set(got) == {"pk.softmax", "pk.matmul", "pk.attention"}
+    assert set(got) == {"pk.softmax", "pk.matmul", "pk.attention", "pk.rmsnorm"}
     assert got["pk.attention"]["call"] == "pk.attention(q, k, v, causal=True)"
     for name, rec in got.items():
         assert rec["status"] == "ok", (name, rec.get("reason"))

@@ -11,6 +11,7 @@ the backend picked from the inputs (no ``backend=``) when that picks the target 
 - ``pk.softmax``: ``pk.softmax(x)`` on a 4x8 float32 array;
 - ``pk.matmul``: ``pk.matmul(a, b)`` on 8x8 @ 8x8;
 - ``pk.attention``: ``pk.attention(q, k, v, causal=True)`` on B1 H1 S8 D16;
+- ``pk.rmsnorm``: ``pk.rmsnorm(x, weight)`` on 4x8 and 8;
 
 and for each five implementations:
 
@@ -98,8 +99,9 @@ ENTRIES = (
     DispatchEntry("pk.softmax", "softmax", (("x", (4, 8)),)),
     DispatchEntry("pk.matmul", "matmul", (("a", (8, 8)), ("b", (8, 8)))),
     DispatchEntry("pk.attention", "attention",
-          (("q", (1, 1, 8, 16)), ("k", (1, 1, 8, 16)), ("v", (1, 1, 8, 16))),
-          (("causal", True),)),
+                  (("q", (1, 1, 8, 16)), ("k", (1, 1, 8, 16)), ("v", (1, 1, 8, 16))),
+                  (("causal", True),)),
+    DispatchEntry("pk.rmsnorm", "rmsnorm", (("x", (4, 8)), ("weight", (8,)))),
 )
 
 
