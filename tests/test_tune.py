@@ -219,7 +219,7 @@ def test_malicious_entry_with_a_valid_hash_is_rejected(db: Path, be: Any, value:
     with pytest.warns(TuningWarning, match="rejects it"):
         cfg = tuned.config_for(be, MATMUL, prob, None)
     assert cfg == MATMUL.config(be.device_class, None, prob)
-    src = be.render(MATMUL, prob, cfg)
+    src = MATMUL.render(be.dialect, prob, cfg)
     assert "-DX" not in src and "1;}" not in src
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     np.testing.assert_array_equal(pk.matmul(a, a.T, backend=be), a @ a.T)  # exact integers

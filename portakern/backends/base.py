@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import codegen, dtypes, settings
+from .. import dtypes, settings
 from ..errors import UnsupportedDTypeError
 from ..host import nbytes_of
 from ..lru import LRUCache  # noqa: F401  (re-exported: plan, jax)
@@ -453,11 +453,6 @@ class KernelBackend(Backend):
         setting is a pack, not a type probe. Default: nothing to declare."""
 
     # shared machinery
-    def render(self, spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]) -> str:
-        assert self.dialect is not None
-        return codegen.render(spec.source, self.dialect, slots=spec.slots(prob),
-                              defines=spec.defines(prob, cfg))
-
     def kernels_for(self, spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]
                     ) -> dict[str, Any]:
         slots = spec.slots(prob)
@@ -470,7 +465,7 @@ class KernelBackend(Backend):
             with self._lock:
                 got = self._kernels.get(key)
                 if got is None:
-                    src = codegen.render(spec.source, self.dialect or "", slots=slots, defines=defs)
+                    src = spec.render(self.dialect or "", prob, cfg)
                     got = self.compile(src, kernel_entry_points(spec, prob, cfg))
                     self._kernels[key] = got
         return got
