@@ -378,14 +378,6 @@ class Store:
                 except OSError:
                     pass
 
-    def delete(self, key: str) -> bool:
-        """Remove one entry; True if a file was removed."""
-        try:
-            os.unlink(self.filename(key))
-            return True
-        except OSError:
-            return False
-
     def items(self) -> Iterator[tuple[str, Any]]:
         """Every valid (key, value) in this namespace (damaged files are discarded on the way)."""
         if not self._ensure_dir(create=False):
