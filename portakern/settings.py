@@ -35,14 +35,16 @@ _ALL = (
             "the backend selector a call uses when neither backend= nor portakern.use() says "
             "(e.g. opencl, cuda:1, jax:pallas); unset: the automatic choice"),
     Setting("PORTAKERN_CACHE_DIR", "path", None,
-            "the root of every portakern cache (tuning database, CUDA modules, the PyOpenCL "
-            "fallback); unset: $XDG_CACHE_HOME/portakern or ~/.cache/portakern"),
+            "the root of every portakern cache (tuning database, CUDA modules, PyOpenCL's "
+            "compiled programs under <cache dir>/pyopencl); unset: $XDG_CACHE_HOME/portakern "
+            "or ~/.cache/portakern, and PyOpenCL keeps its own default"),
     Setting("PORTAKERN_CUDA_CACHE", "path|off", None,
             "compiled CUDA modules on disk, and CuPy's own cache (CUPY_CACHE_DIR) when that is "
             "unset: a directory, or off; unset: <cache dir>/cuda"),
     Setting("PORTAKERN_OPENCL_CACHE", "path", None,
-            "PyOpenCL's compiled-program cache; unset: PyOpenCL's default (under <cache dir> "
-            "when there is no home directory)"),
+            "PyOpenCL's compiled-program cache; unset: <cache dir>/pyopencl when "
+            "PORTAKERN_CACHE_DIR is set or there is no home directory, else PyOpenCL's "
+            "default (~/.cache/pyopencl)"),
     Setting("PORTAKERN_TUNING", "choice", "nearest",
             "tuned-config lookups: nearest (the nearest tuned problem bucket), exact (only the "
             "same bucket) or off", choices=("nearest", "exact", "off")),

@@ -18,6 +18,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -398,3 +399,39 @@ def test_tune_clear_reports_removed_and_left(root: Path, capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert "removed 1 tuned entry" in out and "left 1 path" in out and "mine.txt" in out
     assert (st.path / "mine.txt").read_text() == "keep"
+
+
+
+@pytest.mark.parametrize("setting", ["cache_dir", "opencl_cache", "neither"])
+def test_cache_dir_governs_the_opencl_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            setting: str) -> None:
+    """PORTAKERN_CACHE_DIR is the root of every portakern cache, PyOpenCL's compiled programs
+    included (<root>/pyopencl, not ~/.cache/pyopencl); PORTAKERN_OPENCL_CACHE still wins.
+    Checked as the cache_dir a build hands PyOpenCL: PyOpenCL keeps no files of its own for
+    PoCL or NVIDIA, whose drivers cache builds themselves."""
+    from portakern import selection
+    from portakern.backends.opencl import OpenCLBackend, cl
+
+    if not OpenCLBackend.probe().available:
+        pytest.skip(f"opencl: {OpenCLBackend.probe().reason}")
+    be = selection.get("opencl")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PORTAKERN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("PORTAKERN_OPENCL_CACHE", raising=False)
+    if setting != "neither":
+        monkeypatch.setenv("PORTAKERN_CACHE_DIR", str(tmp_path / "root"))
+    if setting == "opencl_cache":
+        monkeypatch.setenv("PORTAKERN_OPENCL_CACHE", str(tmp_path / "own"))
+    seen = []
+    real = cl.Program.build
+
+    def build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("cache_dir"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cl.Program, "build", build)
+    got = be.compile("__kernel void k(__global float *x) { x[0] = 1.0f; }", ("k",))
+    assert set(got) == {"k"} and len(seen) == 1
+    want = {"cache_dir": str(tmp_path / "root" / "pyopencl"),
+            "opencl_cache": str(tmp_path / "own"), "neither": None}[setting]
+    assert seen[0] == want

@@ -740,18 +740,22 @@ def _array_template(proto: Any) -> dict[str, Any] | None:
 
 
 def _cache_dir() -> str | None:
-    """PyOpenCL's binary cache directory (None = its default under the user cache dir).
+    """PyOpenCL's binary cache directory (None = PyOpenCL's default under the user cache dir).
 
-    Without a home directory ($HOME unset, no passwd entry, no XDG_CACHE_HOME) PyOpenCL's
-    default would be a literal '~' directory under the working directory: then a
-    ``pyopencl`` directory beside portakern's own cache (with its fallback and warning)."""
+    ``$PORTAKERN_OPENCL_CACHE`` if set; else, when ``$PORTAKERN_CACHE_DIR`` is set (the root
+    of every portakern cache), a ``pyopencl`` directory under it. Without either, PyOpenCL's
+    own default, except without a home directory ($HOME unset, no passwd entry, no
+    XDG_CACHE_HOME), where PyOpenCL's default would be a literal '~' directory under the
+    working directory: then a ``pyopencl`` directory under portakern's cache root too (with
+    its fallback and warning)."""
     env = settings.get("PORTAKERN_OPENCL_CACHE")
     if env:
         return env
-    if os.environ.get("HOME") or os.environ.get("XDG_CACHE_HOME"):
-        return None
-    if os.path.expanduser("~") != "~":
-        return None
+    if not settings.get("PORTAKERN_CACHE_DIR"):
+        if os.environ.get("HOME") or os.environ.get("XDG_CACHE_HOME"):
+            return None
+        if os.path.expanduser("~") != "~":
+            return None
     from ..cache import cache_root
 
     return str(cache_root() / "pyopencl")
