@@ -69,8 +69,9 @@ from ..errors import (
     InvalidArgumentError,
     UnknownBackendError,
 )
+from ..lru import LRUCache
 from ..spec import Launch, storage_dtype
-from .base import Availability, DeviceInfo, KernelBackend
+from .base import KERNEL_CACHE_SIZE, Availability, DeviceInfo, KernelBackend
 
 try:  # optional dependency: guarded, with an install hint in the availability record
     import cupy as cp
@@ -263,7 +264,10 @@ class CudaBackend(KernelBackend):
                                      f"{len(av.devices)} CUDA device(s): {listing}")
         self._cp_device = cp.cuda.Device(idx)
         self._options = compile_options()
-        self._modules: dict[tuple, Any] = {}
+        # loaded modules by module_key: two plans rendering the same source share one module.
+        # Bounded like _kernels (which holds what calls use): an unbounded dict kept every
+        # module loaded after _kernels evicted it; an evicted module is reloaded from disk.
+        self._modules: LRUCache = LRUCache(KERNEL_CACHE_SIZE)
         self._bf16_native = True  # cleared if this CuPy refuses ml_dtypes.bfloat16
         return av.devices[idx]
 
