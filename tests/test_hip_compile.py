@@ -19,7 +19,7 @@ import re
 
 import pytest
 
-from portakern import codegen, compile_check
+from portakern import compile_check
 from portakern.errors import CompileError
 from portakern.ops import get_op
 
@@ -88,8 +88,7 @@ def test_broken_kernel_fails_with_log_and_numbered_source() -> None:
     need_hipcc()
     spec = get_op("softmax")
     _, prob = compile_check.representative_problems(spec, "float32")[0]
-    src = codegen.render(spec.source, "hip", slots=spec.slots(prob),
-                         defines=spec.defines(prob, spec.config("gpu", None, prob)))
+    src = spec.render("hip", prob, spec.config("gpu", None, prob))
     lines = [ln for ln in src.splitlines() if not ln.startswith("#define PK_BARRIER()")]
     broken = "\n".join(lines) + "\n"
     with pytest.raises(CompileError) as got:
