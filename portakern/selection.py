@@ -20,6 +20,7 @@ from . import backends as registry
 from . import settings
 from .backends.base import Backend
 from .errors import BackendUnavailable, UnknownBackendError
+from .lru import LRUCache
 
 ENV_VAR = "PORTAKERN_BACKEND"
 _SELECTOR = re.compile(r"^([a-z][a-z0-9_]*)(?::([A-Za-z0-9_]+))?$")
@@ -31,9 +32,10 @@ _instances: dict[tuple[str, str | None], Backend] = {}
 _lock = threading.Lock()
 
 
-def _reset_lock_after_fork() -> None:  # another thread may have held it at the fork
-    global _lock
+def _reset_lock_after_fork() -> None:  # another thread may have held them at the fork
+    global _lock, _owners_lock
     _lock = threading.Lock()
+    _owners_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -74,6 +76,18 @@ def get(text: str, origin: str = "backend") -> Backend:
     inst = _get(text, origin)
     _by_text[text] = inst
     return inst
+
+
+def _forget(name: str) -> None:
+    """Drop the instances of backend ``name`` (``registry.unregister_backend``)."""
+    with _lock:
+        for key in [k for k in _instances if k[0] == name]:
+            _instances.pop(key, None)
+        for text in [t for t in list(_by_text) if t.strip().partition(":")[0] == name]:
+            _by_text.pop(text, None)
+
+
+registry.UNREGISTER_LISTENERS.append(_forget)
 
 
 def _get(text: str, origin: str) -> Backend:
@@ -131,20 +145,25 @@ def owner_of(arrays: Iterable[Any] | None) -> str | None:
     if not arrays:
         return None
     types_key = tuple([x.__class__ for x in arrays])
-    if _OWNERS_VERSION[0] == registry.VERSION and types_key in _OWNERS:
-        return _OWNERS[types_key]
+    if _OWNERS_VERSION[0] == registry.VERSION:
+        got = _OWNERS.get(types_key, _UNKNOWN)
+        if got is not _UNKNOWN:
+            return got
     got = _owner_of_types(types_key)
-    if _OWNERS_VERSION[0] != registry.VERSION:
-        _OWNERS.clear()
-        _OWNERS_VERSION[0] = registry.VERSION
-    if len(_OWNERS) > 1024:  # bounded: a process sees few combinations of array types
-        _OWNERS.clear()
-    _OWNERS[types_key] = got
+    with _owners_lock:  # LRUCache writers hold its owner's lock
+        if _OWNERS_VERSION[0] != registry.VERSION:
+            _OWNERS.clear()
+            _OWNERS_VERSION[0] = registry.VERSION
+        _OWNERS[types_key] = got
     return got
 
 
-_OWNERS: dict[tuple[type, ...], str | None] = {}
+# the inputs' types -> their owner's name (None: no owner), LRU-bounded: a process sees few
+# combinations of array types
+_OWNERS: LRUCache = LRUCache(1024)
 _OWNERS_VERSION = [-1]
+_UNKNOWN = object()
+_owners_lock = threading.Lock()
 
 
 def _owner_of_types(types: tuple[type, ...]) -> str | None:

@@ -475,11 +475,11 @@ def test_unknown_device_of_every_backend_is_refused(name: str, device: str) -> N
 
 
 def test_use_with_a_bad_backend_fails_at_the_with_statement() -> None:
-    before = selection._current.get()
+    before = selection.current_choice()
     with pytest.raises(pk.UnknownBackendError, match=r"portakern\.use\(\.\.\.\) 'bogus'"), \
             pk.use("bogus"):
         pytest.fail("the block must not run")
-    assert selection._current.get() is before
+    assert selection.current_choice() is before
 
 
 def test_a_long_bad_selector_is_cut_in_the_message() -> None:

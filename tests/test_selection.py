@@ -83,7 +83,7 @@ def test_use_does_not_leak_across_threads() -> None:
 
     def other() -> None:
         start.wait()
-        seen["other"] = selection._current.get() is None and "unset" or "leaked"
+        seen["other"] = selection.current_choice() is None and "unset" or "leaked"
 
     t = threading.Thread(target=other)
     with pk.use("numpy"):
@@ -163,7 +163,7 @@ def test_array_from_another_context_names_both_and_the_fix() -> None:
     import pyopencl.array as cla
 
     be = selection.get("opencl:0")
-    ctx = cl.Context([be._cl_device])  # type: ignore[attr-defined]
+    ctx = cl.Context([be.cl_device])  # type: ignore[attr-defined]
     x = cla.to_device(cl.CommandQueue(ctx), np.ones((3, 4), np.float32))
     with pytest.raises(pk.PortakernError) as info:
         pk.softmax(x, backend=be)
@@ -171,3 +171,31 @@ def test_array_from_another_context_names_both_and_the_fix() -> None:
     assert isinstance(info.value, pk.BackendUnavailable)
     assert "context" in msg and "outside portakern" in msg and "opencl:0" in msg
     assert "to_backend(x.get(), 'opencl:0')" in msg
+
+
+def test_unregistering_a_plugin_backend_forgets_it() -> None:
+    """``unregister_backend`` undoes ``register_backend``: the instances made of it are
+    dropped, and its name is refused again (automatic selection never picked it)."""
+    from portakern import backends as registry
+    from portakern.backends.numpy import NumpyBackend
+
+    class Plugged(NumpyBackend):
+        pass
+
+    registry.register_backend("plugged", Plugged)
+    try:
+        be = selection.get("plugged")
+        assert isinstance(be, Plugged) and selection.get("plugged:0") is be
+        x = np.ones((2, 4), np.float32)
+        np.testing.assert_allclose(pk.softmax(x, backend="plugged"), np.full((2, 4), 0.25))
+        assert "plugged" in pk.backends()
+    finally:
+        assert registry.unregister_backend("plugged")
+    assert not registry.unregister_backend("plugged")  # once only
+    assert not registry.unregister_backend("numpy")  # in-tree: not registered by the call
+    assert "plugged" not in pk.backends()
+    for text in ("plugged", "plugged:0"):
+        with pytest.raises(pk.UnknownBackendError):
+            selection.get(text)
+        with pytest.raises(pk.UnknownBackendError):
+            pk.softmax(np.ones((2, 4), np.float32), backend=text)

@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import types
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
@@ -90,6 +91,31 @@ def register_backend(name: str, target: str | type[Backend]) -> None:
         _EXTRA[name] = target
         _CLASSES.pop(name, None)
         VERSION += 1
+
+
+# Called with a backend's name when ``unregister_backend`` removes it: the runtime's selection
+# registers here the forgetting of the instances made of it.
+UNREGISTER_LISTENERS: list[Callable[[str], None]] = []
+
+
+def unregister_backend(name: str) -> bool:
+    """Undo ``register_backend(name, ...)`` (a plugin unloading, a test cleaning up): the
+    class, its cached availability and the instances made of it are forgotten, and a selector
+    naming it is refused from then on (or, where the registration had replaced an in-tree or
+    entry-point backend of that name, reaches that one again). False when ``name`` was not
+    registered by ``register_backend``."""
+    global VERSION
+    with _LOCK:
+        if name not in _EXTRA:
+            return False
+        target = _EXTRA.pop(name)
+        for cls in (target, _CLASSES.pop(name, None)):
+            if isinstance(cls, type):
+                Backend._probe_cache.pop(cls, None)
+        VERSION += 1
+    for fn in list(UNREGISTER_LISTENERS):
+        fn(name)
+    return True
 
 
 def _reset_lock_after_fork() -> None:  # another thread may have held it at the fork
