@@ -17,7 +17,13 @@ class LRUCache:
         self.maxsize = int(maxsize)
         self._data: OrderedDict = OrderedDict()
         self._on_evict = on_evict
-        self.evictions = 0
+        self.evictions = 0  # entries dropped for the bound
+        self.inserts = 0  # stores of a key not present: what was made anew
+        # lookup(key): ``get`` without marking the entry recently used, the value or None.
+        # The dict's own bound get (``_data`` is never replaced), for the per-call paths
+        # (plans, opencl's output templates): ~0.3 µs less than ``get``. An entry found
+        # only this way ages as if unused and may be evicted first: then it is made again.
+        self.lookup = self._data.get
 
     def get(self, key: Any, default: Any = None) -> Any:
         data = self._data
@@ -31,14 +37,10 @@ class LRUCache:
             pass
         return value
 
-    def lookup(self, key: Any) -> Any:
-        """``get`` without marking the entry recently used: one dict lookup, for the
-        per-call dispatch path (~0.2 µs less). An entry found only this way ages as if unused
-        and may be evicted first: then it is made again at its next call."""
-        return self._data.get(key)
-
     def __setitem__(self, key: Any, value: Any) -> None:
         data = self._data
+        if key not in data:
+            self.inserts += 1
         data[key] = value
         data.move_to_end(key)
         while len(data) > self.maxsize:
@@ -73,3 +75,8 @@ class LRUCache:
 
     def clear(self) -> None:
         self._data.clear()
+
+    def info(self) -> dict[str, int]:
+        """{"size", "maxsize", "inserts", "evictions"}: what ``Backend.cache_info`` reports."""
+        return {"size": len(self._data), "maxsize": self.maxsize, "inserts": self.inserts,
+                "evictions": self.evictions}

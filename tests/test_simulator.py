@@ -220,4 +220,4 @@ def test_simulator_is_never_automatic() -> None:
     assert selection.get(sel).label != SIM
     be = selection.get(SIM)
     assert be.label == SIM and be.device.extra.get("simulator")
-    assert be._pool is None  # exact-size buffers
+    assert be.memory_pool is None  # exact-size buffers

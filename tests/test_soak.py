@@ -22,10 +22,11 @@ How it works, and what each number means:
   with ``weakref.finalize`` (count and bytes still referenced); after the run and a
   ``gc.collect()`` none may be left beyond the reused ``out=`` buffers. For jax,
   ``len(jax.live_arrays())`` must come back to its baseline (+ ``LIVE_SLACK``).
-* caches: a C-kernel target's compiled-kernel, config and plan caches and a jax target's
-  jitted-function cache must not grow after warm-up, and never exceed the number of distinct
-  configurations x input kinds (plans are keyed by operand types too: numpy or native); the
-  API's validation memo stays under its cap.
+* caches: every in-memory cache of a target (``Backend.cache_info``: compiled kernels and
+  output templates on a C-kernel target, jitted functions and their executables on jax) must
+  not grow after warm-up, and never exceed the number of distinct configurations x input
+  kinds (plans are keyed by operand types too: numpy or native); the plan cache
+  (``portakern.plan.PLANS``) stays within its bound.
 * ``jax:pallas`` runs Pallas in interpret mode on a CPU (each new shape costs ~1 s to trace
   and compile, each call ~0.5 ms): it gets attention only, two shapes x float32/bfloat16, and
   ``PALLAS_SHARE`` (3%) of the calls — the other ops on that target are the XLA path that
@@ -54,6 +55,7 @@ import pytest
 import portakern as pk
 from portakern import dtypes, selection
 from portakern import plan as pkplan
+from portakern.backends import base
 from portakern.backends.base import Backend, KernelBackend
 from portakern.cases import Case, compare
 from portakern.ops import get_op
@@ -164,12 +166,8 @@ def instrument(be: Backend, allocs: Allocations) -> None:
 
 
 def cache_sizes(be: Backend) -> dict[str, int]:
-    out = {}
-    for name in ("_kernels", "_fns", "_modules"):
-        got = getattr(be, name, None)
-        if isinstance(got, dict) or hasattr(got, "maxsize"):  # dicts and LRU caches
-            out[name] = len(got)
-    return out
+    """Entries in each in-memory cache of the backend (``Backend.cache_info``)."""
+    return {name: info["size"] for name, info in be.cache_info().items()}
 
 
 def jax_live() -> int | None:
@@ -359,10 +357,11 @@ def test_churn_keeps_every_cache_and_rss_bounded(target: str,
         else None
     if jaxb is not None:
         monkeypatch.setattr(jaxb, "EXECUTABLE_CACHE_SIZE", 4)
+    monkeypatch.setattr(base, "KERNEL_CACHE_SIZE", 3)  # read by each new C-kernel backend
     be = _fresh(target)
-    kernels = getattr(be, "_kernels", None)
-    if kernels is not None:
-        kernels.maxsize = 3
+    kernels = "kernels" in be.cache_info()
+    if kernels:
+        assert be.cache_info()["kernels"]["maxsize"] == 3
     rng = np.random.default_rng(19)
     samples = []
     for r in range(4):
@@ -370,16 +369,16 @@ def test_churn_keeps_every_cache_and_rss_bounded(target: str,
         _churn(be, rng, r, dims)
         gc.collect()
         samples.append(rss_bytes())
-        if kernels is not None:
-            assert len(kernels) <= 3, f"kernel cache over its bound: {len(kernels)}"
-        fns = getattr(be, "_fns", None)
-        if fns is not None:
+        caches = be.cache_info()
+        if kernels:
+            assert caches["kernels"]["size"] <= 3, f"kernel cache over its bound: {caches}"
+        if "functions" in caches:
             # one function per op and dtype, whatever scale/eps were; the softmax shapes and
             # head dims are executables of those functions, at most 4 kept in all
-            assert len(fns) <= 4, f"jitted functions: {fns.keys()}"
-            assert sum(f.executables() for f in fns.values()) <= 4
-    if kernels is not None:
-        assert kernels.evictions >= 4
+            assert caches["functions"]["size"] <= 4, f"jitted functions: {caches}"
+            assert caches["executables"]["size"] <= 4, f"executables: {caches}"
+    if kernels:
+        assert be.cache_info()["kernels"]["evictions"] >= 4
     growth = (max(samples[2:]) - samples[1]) / 2**20
     print(f"churn {target}: RSS after each round (MiB) "
           f"{[round(s / 2**20) for s in samples]}, growth over rounds 3-4 {growth:.1f} MiB")

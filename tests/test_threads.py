@@ -141,13 +141,15 @@ def test_cold_start_raced_by_8_threads_compiles_once(target: str, op: str) -> No
     for got in results:
         verdict = compare(get_op(op), case, got)
         assert verdict.ok, f"{op} cold on {target}: {verdict.where}"
+    caches = be.cache_info()
     if isinstance(be, KernelBackend):
-        assert len(compiles) == len(be._kernels), \
-            f"{len(compiles)} compiles for {len(be._kernels)} cached kernel sets"
-        assert len(be._kernels) == 1, f"expected one cached kernel set: {list(be._kernels)}"
-    fns = getattr(be, "_fns", None)
-    if fns is not None:
-        assert len(fns) == 1, f"expected one jitted function: {list(fns)}"
+        kernels = caches["kernels"]
+        assert len(compiles) == kernels["size"] == kernels["inserts"], \
+            f"{len(compiles)} compiles for the cached kernel sets: {kernels}"
+        assert kernels["size"] == 1, f"expected one cached kernel set: {kernels}"
+    if "functions" in caches:
+        fns = caches["functions"]
+        assert fns["size"] == fns["inserts"] == 1, f"expected one jitted function: {fns}"
 
 
 # --- selection is per thread and per task ---------------------------------------------------
@@ -158,12 +160,12 @@ def _label(be: Backend) -> str:
 def test_use_in_one_thread_does_not_leak_into_another() -> None:
     """8 threads, each inside ``with pk.use(target_i)`` at the same time (targets cycle),
     plus the main thread outside any block."""
-    before = selection._current.get()
+    before = selection.current_choice()
     gate = threading.Barrier(THREADS, timeout=TIMEOUT_S)
 
     def thread(i: int) -> tuple[str, str, str | None]:
         want = selection.get(TARGETS[i % len(TARGETS)])
-        assert selection._current.get() is None, "a new thread inherited a use() choice"
+        assert selection.current_choice() is None, "a new thread inherited a use() choice"
         with pk.use(want):
             gate.wait()  # every thread is inside its own block now
             seen = _label(selection.resolve())
@@ -176,7 +178,7 @@ def test_use_in_one_thread_does_not_leak_into_another() -> None:
             np.testing.assert_allclose(pk.softmax(a), np.full((3, 4), 0.25), rtol=1e-3)
             text = pk.explain()
         gate.wait()
-        after = selection._current.get()
+        after = selection.current_choice()
         assert want.describe() in text and "portakern.use" in text, text
         return seen, inner, None if after is None else str(after)
 
@@ -185,14 +187,14 @@ def test_use_in_one_thread_does_not_leak_into_another() -> None:
         assert seen == selection.get(TARGETS[i % len(TARGETS)]).label
         assert inner == selection.get("numpy").label
         assert after is None
-    assert selection._current.get() is before
+    assert selection.current_choice() is before
 
 
 def test_a_new_thread_starts_without_the_parents_choice_unless_handed_over() -> None:
     other = next((t for t in TARGETS if not t.startswith("numpy")), "numpy")
     seen: dict[str, Any] = {}
     with pk.use(other) as chosen:
-        t = threading.Thread(target=lambda: seen.update(plain=selection._current.get()))
+        t = threading.Thread(target=lambda: seen.update(plain=selection.current_choice()))
         t.start()
         t.join()
         ctx = contextvars.copy_context()
@@ -229,10 +231,10 @@ def test_use_is_per_asyncio_task() -> None:
     async def _current_in_task() -> object:
         return selection.resolve()
 
-    before = selection._current.get()
+    before = selection.current_choice()
     results, inherited = asyncio.run(main())
     assert inherited is selection.get("numpy")
     for i, (seen, later) in enumerate(results):
         want = selection.get(TARGETS[i % len(TARGETS)]).label
         assert seen == want and later == want, (i, seen, later, want)
-    assert selection._current.get() is before
+    assert selection.current_choice() is before

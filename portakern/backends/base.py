@@ -22,7 +22,7 @@ import numpy as np
 from .. import dtypes, settings
 from ..errors import UnsupportedDTypeError
 from ..host import nbytes_of
-from ..lru import LRUCache  # noqa: F401  (re-exported: plan, jax)
+from ..lru import LRUCache  # also re-exported: plan, jax
 from ..spec import KernelSpec, Launch, Problem, storage_dtype
 
 
@@ -196,6 +196,17 @@ class Backend:
 
     def describe(self) -> str:
         return f"{self.label} ({self.device.name})"
+
+    def cache_info(self) -> dict[str, dict[str, int]]:
+        """This instance's in-memory caches by name, each a dict with at least ``size`` and
+        ``maxsize``: for monitoring a long-running process, e.g. that the compiled-code
+        caches stop growing once its shapes are warm. Every ``LRUCache`` the instance holds,
+        named by its attribute (``_kernels`` -> ``kernels``: compiled programs on a C-kernel
+        backend; ``functions`` on jax; ``output_templates`` on opencl), as ``LRUCache.info``
+        gives it (also ``inserts`` and ``evictions``); a backend may add others (jax:
+        ``executables``)."""
+        return {name.lstrip("_"): value.info() for name, value in vars(self).items()
+                if isinstance(value, LRUCache)}
 
     # --- arrays --------------------------------------------------------------------------
     def is_native(self, x: object) -> bool:

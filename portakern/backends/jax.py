@@ -290,7 +290,7 @@ class JaxBackend(Backend):
         self._jax_device = _device_list()[info.index]
         # jitted functions, LRU-bounded (FUNCTION_CACHE_SIZE), and the executables they hold
         # bounded in all by EXECUTABLE_CACHE_SIZE (see ``execute``)
-        self._fns: LRUCache = LRUCache(FUNCTION_CACHE_SIZE)
+        self._functions: LRUCache = LRUCache(FUNCTION_CACHE_SIZE)
         self._fn_lock = threading.Lock()
         self._pending: Any = None
         self.dlpack_imports = 0
@@ -418,10 +418,10 @@ class JaxBackend(Backend):
         out_dtypes = None if prob.outputs is None else tuple(d for _, d in prob.outputs.values())
         key = (spec.name, spec.token, _freeze(static), traced, prob.dtype, out_dtypes,
                use_pallas, tuple(sorted((blocks or {}).items())))
-        fn = self._fns.get(key)
+        fn = self._functions.get(key)
         if fn is None:
             with self._fn_lock:
-                fn = self._fns.get(key)
+                fn = self._functions.get(key)
                 if fn is None:
                     if use_pallas:
                         lowered = lower_semantics(spec, prob.params, prob.dtype)
@@ -434,15 +434,25 @@ class JaxBackend(Backend):
                         fn = jax.jit(lower_semantics_traced(spec, prob.params, traced,
                                                             prob.dtype, out_dtypes))
                     fn = _Compiled(fn, traced, key)
-                    self._fns[key] = fn
+                    self._functions[key] = fn
         return fn
+
+    def cache_info(self) -> dict[str, dict[str, int]]:
+        """``Backend.cache_info`` (``functions``: the jitted functions) plus ``executables``:
+        the compiled executables those functions hold, bounded in all by
+        EXECUTABLE_CACHE_SIZE."""
+        info = super().cache_info()
+        info["executables"] = {
+            "size": sum(f.executables() for f in self._functions.values()),
+            "maxsize": EXECUTABLE_CACHE_SIZE}
+        return info
 
     def _bound_executables(self, current: Any) -> None:
         """After a compilation: drop least recently used functions (and so their
         executables) until at most EXECUTABLE_CACHE_SIZE remain; the current function is
         dropped last (the next call rebuilds it)."""
         with self._fn_lock:
-            fns = self._fns
+            fns = self._functions
             total = sum(f.executables() for f in fns.values())
             for key in fns.keys():
                 if total <= EXECUTABLE_CACHE_SIZE:
@@ -498,7 +508,7 @@ class JaxBackend(Backend):
             # this spec with constants from now on
             _STATIC_SPECS.add(spec.token)
             with self._fn_lock:
-                self._fns.pop(fn.key, None)
+                self._functions.pop(fn.key, None)
             return self.execute(spec, prob, ins, config)
         except ValueError as exc:
             if "incompatible devices" not in str(exc):

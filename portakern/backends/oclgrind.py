@@ -499,7 +499,7 @@ class OclgrindBackend(OpenCLBackend):
         env.update({k: None for k in UNSET})
         with _environment(env):  # read by the simulator when the context is created
             got = super()._open(str(info.index))
-        self._pool = None  # exact-size buffers: past an array's end is out of bounds
+        self.memory_pool = None  # exact-size buffers: past an array's end is out of bounds
         self._poison: Any = None
         return got
 

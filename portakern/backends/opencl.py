@@ -26,6 +26,7 @@ from ..errors import (
     UnknownBackendError,
 )
 from ..host import native_byte_order
+from ..lru import LRUCache
 from ..spec import Launch, storage_dtype
 from .base import Availability, DeviceInfo, KernelBackend
 
@@ -39,6 +40,9 @@ except Exception as exc:  # pragma: no cover - depends on the machine
     _IMPORT_ERROR = exc
 
 BUILD_OPTIONS: tuple[str, ...] = ()
+# output templates kept per backend instance, one per (shape, dtype): least recently made
+# dropped beyond (``empty``), like the plan cache's bound
+OUTPUT_TEMPLATE_CACHE_SIZE = 4096
 
 # OpenCL status codes that mean "this allocation cannot be had", whatever exception class
 # pyopencl maps them to: MEM_OBJECT_ALLOCATION_FAILURE (MemoryError), OUT_OF_RESOURCES and
@@ -241,14 +245,18 @@ class OpenCLBackend(KernelBackend):
         _LIVE.add(self)
         self._limits = (int(self._cl_device.max_mem_alloc_size),
                         int(self._cl_device.global_mem_size))
-        self._empty_meta: dict[tuple[tuple[int, ...], str], tuple[Any, ...]] = {}
+        # (shape, dtype) -> (attributes of a new Array, nbytes): see ``empty``
+        self._output_templates: LRUCache = LRUCache(OUTPUT_TEMPLATE_CACHE_SIZE)
         self._fast_empty = True  # False: pyopencl changed, arrays come from cla.empty
         self.queue = cl.CommandQueue(self.ctx)
-        self._pool: Any = None
+        # The pyopencl MemoryPool every device buffer of this backend comes from (None:
+        # PORTAKERN_OPENCL_POOL=0, or the simulator's exact-size buffers): read its
+        # held_bytes/active_bytes, or give its idle blocks back with free_pooled_memory().
+        self.memory_pool: Any = None
         if settings.get("PORTAKERN_OPENCL_POOL"):
             import pyopencl.tools as cl_tools
 
-            self._pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
+            self.memory_pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
         return info
 
     @classmethod
@@ -257,6 +265,12 @@ class OpenCLBackend(KernelBackend):
         av = cls.probe()
         return [f"opencl:{d.index}" for d in av.devices
                 if not d.extra.get("simulator")] if av.available else []
+
+    @property
+    def cl_device(self) -> Any:
+        """The ``pyopencl.Device`` this backend runs on (its context is ``ctx``, its queue
+        ``queue``): e.g. to make arrays in a context of one's own on the same device."""
+        return self._cl_device
 
     def _device_handle(self, info: DeviceInfo) -> Any:
         """The pyopencl Device behind a probed DeviceInfo (the simulator overrides it)."""
@@ -283,7 +297,7 @@ class OpenCLBackend(KernelBackend):
 
         for name in self._DEVICE_METHODS:
             setattr(self, name, refuse)
-        for cache in ("_kernels", "_empty_meta"):
+        for cache in ("_kernels", "_output_templates"):
             c = getattr(self, cache, None)
             if c is not None:
                 c.clear()
@@ -379,7 +393,7 @@ class OpenCLBackend(KernelBackend):
     def output_maker(self, shape: tuple[int, ...], dtype: str) -> Any:
         """``empty`` with its per-shape template looked up once: the Array and its buffer."""
         proto = self.empty(shape, dtype)  # makes (or refuses) the template
-        meta = self._empty_meta.get((shape, dtype))
+        meta = self._output_templates.lookup((shape, dtype))
         if meta is None or not meta[1]:
             return super().output_maker(shape, dtype)
         template, nbytes = meta
@@ -503,16 +517,14 @@ class OpenCLBackend(KernelBackend):
         (``_array_template`` says when a pyopencl release makes that unsafe, and this
         backend then stays on the public path)."""
         key = (shape, dtype)
-        meta = self._empty_meta.get(key)
+        meta = self._output_templates.lookup(key)
         if meta is None:
             proto = self._allocate(cla.empty, shape, dtype)
             template = _array_template(proto) if self._fast_empty else None
             if template is None:
                 self._fast_empty = False
                 return proto
-            if len(self._empty_meta) > 4096:  # bounded, like the plan cache
-                self._empty_meta.clear()
-            self._empty_meta[key] = (template, proto.nbytes)
+            self._output_templates[key] = (template, proto.nbytes)
             return proto
         template, nbytes = meta
         try:
@@ -546,22 +558,24 @@ class OpenCLBackend(KernelBackend):
         if nbytes > self._limits[0]:  # never ask the driver for what it cannot give
             raise self._oom("a buffer", nbytes, RuntimeError(
                 "larger than max_mem_alloc_size; refused before allocating"))
-        if self._pool is None:
+        pool = self.memory_pool
+        if pool is None:
             return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, nbytes)
         try:
-            return self._pool.allocate(nbytes)
+            return pool.allocate(nbytes)
         except cl.Error as exc:
             if not _is_allocation_failure(exc):
                 raise
-            self._pool.free_held()
-            return self._pool.allocate(nbytes)
+            pool.free_held()
+            return pool.allocate(nbytes)
 
     def free_pooled_memory(self) -> int:
         """Return the pool's unused blocks to the driver; the bytes it held are returned."""
-        if self._pool is None:
+        pool = self.memory_pool
+        if pool is None:
             return 0
-        held = int(self._pool.managed_bytes) - int(self._pool.active_bytes)
-        self._pool.free_held()
+        held = int(pool.managed_bytes) - int(pool.active_bytes)
+        pool.free_held()
         return held
 
     def _allocate(self, fn: Any, shape: tuple[int, ...], dtype: str) -> Any:
