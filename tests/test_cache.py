@@ -115,6 +115,11 @@ def test_flipped_bytes_are_detected(root: Path) -> None:
                                     "wrong_key", "not_envelope", "nan", "binary", "deep"])
 def test_damaged_envelopes_are_discarded(root: Path, damage: str) -> None:
     st = Store("tuning")
+    if damage == "wrong_key":  # the same value stored under another key: its hash is right
+        st.put("other", {"v": 1})
+        other = st.filename("other")
+        doc_other = json.loads(other.read_text())
+        other.unlink()
     st.put("k", {"v": 1})
     f = _only_file(st)
     doc = json.loads(f.read_text())
@@ -125,8 +130,8 @@ def test_damaged_envelopes_are_discarded(root: Path, damage: str) -> None:
     elif damage == "wrong_namespace":
         doc["namespace"] = "other"
     elif damage == "wrong_key":  # a correct hash over another key: it must not answer for "k"
-        doc["key"] = "other"
-        doc["sha256"] = cache._digest("tuning", "other", doc["payload"])
+        assert doc_other["key"] == "other" and doc_other["sha256"] != doc["sha256"]
+        doc = doc_other
     elif damage == "not_envelope":
         doc = [1, 2, 3]
     text = json.dumps(doc)
@@ -372,9 +377,11 @@ def test_clear_does_not_follow_a_symlinked_namespace(root: Path, tmp_path: Path)
 
 
 def test_no_home_and_no_passwd_entry_falls_back_with_a_warning(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from portakern import cache
 
+    # a temporary directory of its own: the warning is given once per process and directory
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("PORTAKERN_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.delenv("HOME", raising=False)
@@ -383,7 +390,6 @@ def test_no_home_and_no_passwd_entry_falls_back_with_a_warning(
         raise RuntimeError("Could not determine home directory.")
 
     monkeypatch.setattr(cache.Path, "home", staticmethod(no_home))
-    cache._WARNED.clear()
     with pytest.warns(CacheWarning, match="no home directory"):
         got = cache.cache_root()
     assert str(got).startswith(tempfile.gettempdir()) and "portakern-cache" in str(got)

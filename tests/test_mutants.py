@@ -292,7 +292,7 @@ def test_simulator_mutant_is_caught(name: str) -> None:
     # the values do not catch it: on every C-kernel target the oracle accepts the mutant
     for target in kernel_targets():
         for arrays in cases:
-            case = Case(dict(zip(spec._operand_names, arrays)), {})
+            case = Case(dict(zip([o.name for o in spec.operands], arrays)), {})
             out = pk.call(mutant, *arrays, backend=target, config=config)
             assert compare(spec, case, out).ok, f"{name!r} is caught by values on {target}"
     if not _simulator_available():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from importlib import metadata
 from typing import Any
 
 import numpy as np
@@ -292,15 +293,18 @@ def test_entry_point_plugins_load_lazily_and_a_broken_one_is_reported(
     from portakern import ops
 
     calls: list[int] = []
+    real_entry_points = metadata.entry_points
 
-    def fake_eps() -> list[FakeEntryPoint]:
+    def fake_eps(**kwargs: Any) -> Any:
+        if kwargs.get("group") != ops.ENTRY_POINT_GROUP:
+            return real_entry_points(**kwargs)
         calls.append(1)
         return [FakeEntryPoint("plugged", lambda: SPEC.replace(name="plugged_sum")),
                 FakeEntryPoint("several", lambda: lambda: [SPEC.replace(name="plugged_a"),
                                                            SPEC.replace(name="plugged_b")]),
                 FakeEntryPoint("broken", _boom)]
 
-    monkeypatch.setattr(ops, "_entry_points", fake_eps)
+    monkeypatch.setattr(metadata, "entry_points", fake_eps)
     monkeypatch.setitem(ops._PLUGINS, "state", "unloaded")
     try:
         pk.register_op(SPEC.replace(name="registered_first"))  # registering never loads them
