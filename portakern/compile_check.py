@@ -1,16 +1,20 @@
-"""Compile-only check: every registered op x dtype x default schedule, rendered in the CUDA
-dialect and compiled by NVRTC for several virtual architectures — no GPU and no driver needed.
+"""Compile-only check: every registered op x dtype x default schedule, rendered in a
+compile-only target's dialect and compiled for several architectures — no GPU, no driver.
 
-Why: most machines that build and test portakern (CI included) have no NVIDIA GPU, yet a CUDA
-source that does not compile is the first thing a GPU user would hit. NVRTC (the
-``nvidia-cuda-nvrtc-cu12`` wheel, driven through ``cupy_backends``) compiles CUDA C to PTX on
-any Linux box, so every rendered kernel is proven to compile for compute_70/80/90 (Volta,
-Ampere, Hopper) here, with the same options the cuda backend uses at run time
-(``portakern.backends.cuda.compile_options``). Running the kernels still needs a GPU
-(benchmarks/gpu_check.sh).
+Why: most machines that build and test portakern (CI included) have no NVIDIA or AMD GPU, yet
+a source that does not compile is the first thing a GPU user would hit. NVRTC (the
+``nvidia-cuda-nvrtc-cu12`` wheel) compiles CUDA C to PTX on any Linux box, and hipcc compiles
+the hip dialect to AMDGPU code objects, so every rendered kernel is proven to compile for
+compute_70/80/90 (Volta, Ampere, Hopper) and gfx906/gfx90a/gfx1030 here, with the options the
+backends use at run time. Running the kernels still needs a GPU (benchmarks/gpu_check.sh).
 
-``portakern check --backend cuda --compile-only [--arch 80 ...]`` calls ``main``. A failure
-prints the CompileError, which carries the numbered rendered source and the NVRTC log.
+What to compile with is the target's business: ``portakern.backends.compile_only`` gives
+each target (cuda: NVRTC, ``backends/nvrtc.py``; hip: hipcc, ``backends/hip.py``) as a record
+whose hooks this module calls (``toolchain``, ``options``, ``refusal``, ``compile``); nothing
+here names a toolchain.
+
+``portakern check --backend cuda|hip --compile-only [--arch 80 ...]`` calls ``main``. A
+failure prints the CompileError, which carries the numbered rendered source and the log.
 
 Rendering needs a Problem, and a Problem needs operand shapes: ``representative_problems``
 builds them from shape/dtype stand-ins (no data) that each op's spec declares in its
@@ -26,7 +30,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import time
 import types
 from collections.abc import Callable, Iterable, Sequence
@@ -34,46 +37,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import codegen, dtypes, settings
+from .backends import compile_only
+from .backends.compile_only import Compiled, CompileOnlyTarget
 from .backends.cuda import COMPUTE_ARCHS, normalize_arch  # noqa: F401 (re-exported)
-from .errors import BackendUnavailable, CompileError, InvalidArgumentError, PortakernError
+from .backends.nvrtc import (  # noqa: F401 (re-exported: callers of earlier versions)
+    STATIC_SHARED_LIMIT,
+    compile_source,
+    static_shared_bytes,
+    supported_archs,
+)
+from .errors import CompileError, InvalidArgumentError, PortakernError
 from .ops import OPS, get_op
 from .spec import KernelSpec, Problem
 from .spec_check import example_inputs
 
-DEFAULT_ARCHS: tuple[str, ...] = COMPUTE_ARCHS  # compute_70, 80, 90
+DEFAULT_ARCHS: tuple[str, ...] = COMPUTE_ARCHS  # the default target's: compute_70, 80, 90
 DEFAULT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
-DIALECT = "cuda"
-# Static __shared__ per block: 48 KiB on every CUDA architecture (more only via dynamic shared
-# memory and an opt-in attribute). PTX does not enforce it, ptxas does; compiling to PTX skips
-# ptxas, so the check reads the PTX's .shared declarations instead (cheap, and what ptxas adds).
-STATIC_SHARED_LIMIT = 48 * 1024
-_SHARED_DECL = re.compile(
-    r"^\s*\.shared\s+(?:\.align\s+\d+\s+)?\.[bsuf](8|16|32|64)\s+[\w$.]+(\[(\d*)\])?\s*;",
-    re.M)
 
 # One representative call: (label, operands as shape/dtype stand-ins, keyword parameters).
 Representative = tuple[str, dict[str, object], dict[str, Any]]
-ProblemMaker = Callable[[Any], list[Representative]]
 
 
 def meta(shape: Sequence[int], dtype: Any) -> types.SimpleNamespace:
     """An array stand-in with only .shape and .dtype: all that spec validation reads."""
     return types.SimpleNamespace(shape=tuple(shape), dtype=dtype)
-
-
-def register_representative(op: str, maker: ProblemMaker) -> KernelSpec:
-    """Give a registered op the shapes the compile check renders it with (kept for callers
-    of earlier versions; prefer the spec's own ``examples`` field).
-
-    ``maker(storage_dtype)`` returns [(label, {operand: meta(shape, dtype)}, {param: value})].
-    The op is re-registered with ``examples`` built from ``maker``; the new spec is returned.
-    """
-    from .ops import register_op
-
-    def examples(dtype: str) -> list[Representative]:
-        return list(maker(dtypes.info(dtype).storage))
-
-    return register_op(get_op(op).replace(examples=examples), replace=True)
 
 
 def spec_examples(spec: KernelSpec, dtype: str) -> list[Representative]:
@@ -112,8 +99,9 @@ class CompileCase:
     problem: str
     arch: str
     source: str = ""
-    error: PortakernError | None = None  # rendering failed (spec, config) before NVRTC ran
+    error: PortakernError | None = None  # rendering failed (spec, config) before compiling
     label: str = ""  # how the arch is shown: compute_80 (default), gfx90a
+    target: str = compile_only.DEFAULT  # the compile-only target (compile_only.get) it is for
 
     @property
     def arch_label(self) -> str:
@@ -132,10 +120,10 @@ class CompileResult:
     seconds: float = 0.0
     error: PortakernError | None = None
     ptx_bytes: int = 0
-    shared_bytes: int = 0  # static shared memory per block, from the PTX
+    shared_bytes: int = 0  # static shared memory / LDS per block (PTX / code object)
     reused: bool = False  # identical source and arch already compiled in this process
     note: str = ""
-    kernels: list[dict[str, Any]] = field(default_factory=list)  # per-kernel resources (hip)
+    kernels: list[dict[str, Any]] = field(default_factory=list)  # per-kernel metadata (hipcc)
 
     @property
     def ok(self) -> bool:
@@ -159,113 +147,21 @@ class CompileResult:
         return d
 
 
-def _nvrtc() -> Any:
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-    except Exception as exc:
-        raise BackendUnavailable(
-            f"NVRTC is not importable ({type(exc).__name__}: {exc}); the compile-only check "
-            "needs it. Fix: pip install 'portakern[cuda]'.") from None
-    return nvrtc
+def _target(case: CompileCase) -> CompileOnlyTarget:
+    return compile_only.get(case.target)
 
 
-def supported_archs() -> tuple[str, ...]:
-    """Architectures this NVRTC can target (e.g. 50 ... 121)."""
-    return tuple(str(a) for a in _nvrtc().getSupportedArchs())
+def _result(case: CompileCase, got: Compiled) -> CompileResult:
+    if not got.ok:
+        return CompileResult(case, "FAIL", got.seconds, error=got.error(case.source))
+    return CompileResult(case, "ok", got.seconds, ptx_bytes=got.object_bytes,
+                         shared_bytes=got.shared_bytes, kernels=[dict(k) for k in got.kernels])
 
 
-def base_options() -> tuple[str, ...]:
-    """The cuda backend's run-time options: what is checked here is what runs there."""
-    from .backends.cuda import compile_options
-
-    return compile_options()
-
-
-def static_shared_bytes(ptx: str | bytes) -> int:
-    """Bytes of static shared memory a module declares (its kernels together: an upper bound
-    for each; our sources have one entry point)."""
-    text = ptx.decode(errors="replace") if isinstance(ptx, bytes) else ptx
-    total = 0
-    for bits, brackets, n in _SHARED_DECL.findall(text):
-        count = 1 if not brackets else int(n) if n else 0  # x; x[N]; extern x[] (dynamic)
-        total += int(bits) // 8 * count
-    return total
-
-
-@dataclass(frozen=True)
-class _Raw:
-    """What one NVRTC run produced, in plain data (crosses process boundaries)."""
-
-    ptx: bytes | None
-    headline: str
-    log: str
-    options: tuple[str, ...]
-    seconds: float
-
-
-def _compile_raw(source: str, arch: str, options: tuple[str, ...], name: str) -> _Raw:
-    """One NVRTC program -> PTX, then the static shared-memory limit ptxas would enforce."""
-    nvrtc = _nvrtc()
-    from .backends.cuda import compile_error_message
-
-    arch = normalize_arch(arch)
-    opts = tuple(options) + (f"--gpu-architecture=compute_{arch}",)
-    t0 = time.perf_counter()
-    prog = nvrtc.createProgram(source, name, [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, list(opts))
-        except nvrtc.NVRTCError as exc:
-            try:
-                log = nvrtc.getProgramLog(prog) or str(exc)
-            except Exception:
-                log = str(exc)
-            head = compile_error_message(f"NVRTC failed to compile {name} for compute_{arch}",
-                                         log)
-            return _Raw(None, head, log, opts, time.perf_counter() - t0)
-        ptx = bytes(nvrtc.getPTX(prog))
-    finally:
-        try:
-            nvrtc.destroyProgram(prog)
-        except Exception:
-            pass
-    shared = static_shared_bytes(ptx)
-    if shared > STATIC_SHARED_LIMIT:
-        log = (f"static shared memory: {shared} bytes declared, more than the "
-               f"{STATIC_SHARED_LIMIT} bytes (48 KiB) a block may declare statically on any CUDA "
-               "architecture; ptxas would refuse it ('uses too much shared data').")
-        return _Raw(None, f"{name} for compute_{arch} needs too much shared memory; lower the "
-                    "tile tunables", log, opts, time.perf_counter() - t0)
-    return _Raw(ptx, "", "", opts, time.perf_counter() - t0)
-
-
-def _error(raw: _Raw, source: str, arch: str) -> CompileError:
-    return CompileError(raw.headline, source=source, log=raw.log, options=raw.options,
-                        device=f"NVRTC compute_{normalize_arch(arch)} (compile only)")
-
-
-def compile_source(source: str, arch: str, options: Sequence[str] | None = None,
-                   name: str = "portakern.cu") -> bytes:
-    """Compile one rendered source to PTX for compute_<arch>; raise CompileError on failure.
-
-    One NVRTC program per call (~0.1-0.4 s): a failure belongs to exactly one case.
-    """
-    opts = tuple(base_options() if options is None else options)
-    raw = _compile_raw(source, arch, opts, name)
-    if raw.ptx is None:
-        raise _error(raw, source, arch)
-    return raw.ptx
-
-
-def _result(case: CompileCase, raw: _Raw) -> CompileResult:
-    if raw.ptx is None:
-        return CompileResult(case, "FAIL", raw.seconds, error=_error(raw, case.source, case.arch))
-    return CompileResult(case, "ok", raw.seconds, ptx_bytes=len(raw.ptx),
-                         shared_bytes=static_shared_bytes(raw.ptx))
-
-
-def _worker(job: tuple[str, str, tuple[str, ...], str]) -> _Raw:
-    return _compile_raw(*job)
+def _worker(job: tuple[str, str, str, tuple[str, ...], str]) -> Compiled:
+    """One compile in a worker process (the target travels by name: its hooks are closures)."""
+    target, source, arch, opts, name = job
+    return compile_only.get(target).compile(source, arch, opts, name)
 
 
 def default_jobs() -> int:
@@ -283,13 +179,21 @@ def default_jobs() -> int:
     return max(1, min(8, ncpu))
 
 
-def cases(archs: Iterable[str] = DEFAULT_ARCHS, ops: Iterable[str] | None = None,
-          dtypes_: Iterable[str] | None = None, dialect: str = DIALECT,
-          normalize: Callable[[str], str] = normalize_arch) -> list[CompileCase]:
-    """Every (op, dtype, schedule, problem, arch) with its rendered source (no NVRTC yet)."""
-    arch_list = [normalize(a) for a in archs]
+def cases(archs: Iterable[str] | None = None, ops: Iterable[str] | None = None,
+          dtypes_: Iterable[str] | None = None,
+          target: str | CompileOnlyTarget = compile_only.DEFAULT) -> list[CompileCase]:
+    """Every (op, dtype, schedule, problem, arch) with its source rendered in ``target``'s
+    dialect (nothing compiled yet); ``archs`` default to the target's."""
+    tgt = compile_only.get(target) if isinstance(target, str) else target
+    arch_list = [tgt.normalize_arch(a) for a in (tgt.default_archs if archs is None else archs)]
     op_names = list(OPS) if ops is None else list(ops)
     out: list[CompileCase] = []
+
+    def each(op: str, dt: str, sched: str, label: str, src: str = "",
+             err: PortakernError | None = None) -> list[CompileCase]:
+        return [CompileCase(op, dt, sched, label, a, src, err, tgt.compile_label(a), tgt.name)
+                for a in arch_list]
+
     for op in op_names:
         spec = get_op(op)
         for dt in (DEFAULT_DTYPES if dtypes_ is None else tuple(dtypes_)):
@@ -297,115 +201,187 @@ def cases(archs: Iterable[str] = DEFAULT_ARCHS, ops: Iterable[str] | None = None
             try:
                 probs = representative_problems(spec, dt)
             except PortakernError as exc:
-                out += [CompileCase(op, dt, "-", "-", a, error=exc) for a in arch_list]
+                out += each(op, dt, "-", "-", err=exc)
                 continue
             if not probs:
-                out += [CompileCase(op, dt, "-", "(none)", a) for a in arch_list]
+                out += each(op, dt, "-", "(none)")
                 continue
             for label, prob in probs:
                 for sched in sorted(spec.schedules) or ["gpu"]:
                     src, err = "", None
                     try:
                         cfg = spec.config(sched, None, prob)
-                        src = spec.render(dialect, prob, cfg)
+                        src = spec.render(tgt.dialect, prob, cfg)
                     except PortakernError as exc:
                         err = exc
-                    out += [CompileCase(op, dt, sched, label, a, src, err) for a in arch_list]
+                    out += each(op, dt, sched, label, src, err)
     return out
 
 
-_MEMO: dict[tuple[str, str, tuple[str, ...]], CompileResult] = {}
+def hip_cases(archs: Iterable[str] | None = None, ops: Iterable[str] | None = None,
+              dtypes_: Iterable[str] | None = None) -> list[CompileCase]:
+    """``cases`` for the hip target (kept for callers of earlier versions)."""
+    return cases(archs, ops, dtypes_, "hip")
+
+
+MemoKey = tuple[str, str, str, tuple[str, ...]]
+_MEMO: dict[MemoKey, CompileResult] = {}
+
+
+def _options(case: CompileCase, options: Sequence[str] | None) -> tuple[str, ...]:
+    return tuple(_target(case).options() if options is None else options)
+
+
+def _memo_key(case: CompileCase, opts: tuple[str, ...]) -> MemoKey:
+    return (case.target, hashlib.sha256(case.source.encode()).hexdigest(), case.arch, opts)
+
+
+def _file_name(case: CompileCase) -> str:
+    return f"{case.op}{_target(case).suffix}"
 
 
 def compile_case(case: CompileCase, options: Sequence[str] | None = None) -> CompileResult:
-    """Compile one case (identical source+arch+options compiled once per process)."""
+    """Compile one case with its target's compiler (identical target+source+arch+options
+    compiled once per process); ``options`` default to the target's."""
     if case.error is not None:
         return CompileResult(case, "FAIL", error=case.error, note="rendering failed")
     if not case.source:
         return CompileResult(case, "skip", note=f"no representative problem for {case.op!r}; "
                              "give its KernelSpec `examples` (or `example`)")
-    opts = tuple(base_options() if options is None else options)
+    opts = _options(case, options)
     key = _memo_key(case, opts)
     prev = _MEMO.get(key)
     if prev is not None:
         return CompileResult(case, prev.status, 0.0, prev.error, prev.ptx_bytes,
                              prev.shared_bytes, reused=True,
-                             note=f"same source as {prev.case.name}")
-    res = _result(case, _compile_raw(case.source, case.arch, opts, f"{case.op}.cu"))
+                             note=f"same source as {prev.case.name}", kernels=prev.kernels)
+    res = _result(case, _target(case).compile(case.source, case.arch, opts, _file_name(case)))
     _MEMO[key] = res
     return res
 
 
-def _memo_key(case: CompileCase, opts: tuple[str, ...]) -> tuple[str, str, tuple[str, ...]]:
-    return (hashlib.sha256(case.source.encode()).hexdigest(), case.arch, opts)
+def compile_case_hip(case: CompileCase) -> CompileResult:
+    """``compile_case`` (kept for callers of earlier versions: the case names its target)."""
+    return compile_case(case)
+
+
+def compile_target_source(source: str, arch: str, name: str,
+                          target: str | CompileOnlyTarget = compile_only.DEFAULT
+                          ) -> CompileResult:
+    """Compile one rendered source for ``target``; raise CompileError (log + numbered source)
+    on failure. ``name`` is the file the compiler's messages name ('softmax.hip')."""
+    tgt = compile_only.get(target) if isinstance(target, str) else target
+    stem = name[:-len(tgt.suffix)] if name.endswith(tgt.suffix) else name
+    arch = tgt.normalize_arch(arch)
+    res = compile_case(CompileCase(stem, "-", "-", "-", arch, source,
+                                   label=tgt.compile_label(arch), target=tgt.name))
+    if res.error is not None:
+        raise res.error
+    return res
+
+
+def compile_hip_source(source: str, arch: str, name: str = "portakern.hip") -> CompileResult:
+    """``compile_target_source`` for hip (kept for callers of earlier versions)."""
+    return compile_target_source(source, arch, name, "hip")
 
 
 def compile_all(archs: Iterable[str] = DEFAULT_ARCHS, ops: Iterable[str] | None = None,
                 dtypes: Iterable[str] | None = None,
                 progress: Callable[[CompileResult], None] | None = None,
                 options: Sequence[str] | None = None,
-                jobs: int | None = None) -> list[CompileResult]:
+                jobs: int | None = None,
+                target: str | CompileOnlyTarget = compile_only.DEFAULT) -> list[CompileResult]:
     """Render and compile every case; ``progress`` gets each result, in case order.
 
-    ``jobs`` > 1 compiles distinct sources in that many worker processes (default
-    ``default_jobs()``); results are the same as serial, only sooner.
+    An architecture the target's compiler refuses is an InvalidArgumentError (with its
+    reason) before anything compiles. ``jobs`` > 1 compiles distinct sources in that many
+    workers (default ``default_jobs()``); results are the same as serial, only sooner.
     """
-    arch_list = [normalize_arch(a) for a in archs]
-    have = set(supported_archs())
-    missing = [a for a in arch_list if a not in have]
-    if missing:
+    tgt = compile_only.get(target) if isinstance(target, str) else target
+    arch_list = [tgt.normalize_arch(a) for a in archs]
+    refused = {a: why for a in arch_list if (why := tgt.refusal(a))}
+    if refused:
         raise InvalidArgumentError(
-            f"this NVRTC cannot target compute_{', compute_'.join(missing)}; it supports "
-            f"{', '.join(sorted(have, key=int))}. Pass --arch with one of those.")
-    return compile_cases(cases(arch_list, ops, dtypes), progress, options, jobs)
+            "; ".join(f"{tgt.compile_label(a)}: {why}" for a, why in refused.items())
+            + ". Pass --arch with one this compiler accepts.")
+    return compile_cases(cases(arch_list, ops, dtypes, tgt), progress, options, jobs)
 
 
 def compile_cases(todo: Sequence[CompileCase],
                   progress: Callable[[CompileResult], None] | None = None,
                   options: Sequence[str] | None = None, jobs: int | None = None
                   ) -> list[CompileResult]:
-    """Compile the given cases (see compile_all); distinct sources in parallel processes."""
-    opts = tuple(base_options() if options is None else options)
-    jobs = default_jobs() if jobs is None else max(1, int(jobs))
-    fresh: dict[tuple[str, str, tuple[str, ...]], CompileCase] = {}
-    for c in todo:
-        if c.source and c.error is None and _memo_key(c, opts) not in _MEMO:
-            fresh.setdefault(_memo_key(c, opts), c)
-    pending: dict[tuple[str, str, tuple[str, ...]], Any] = {}
-    pool = None
-    if jobs > 1 and len(fresh) > 1:
-        import concurrent.futures
-        import multiprocessing
+    """Compile the given cases (see compile_all); distinct sources in parallel workers:
+    processes where the compiler holds the GIL (NVRTC), else threads (hipcc)."""
+    import concurrent.futures
 
-        try:  # spawn, not fork: the parent may hold threads (jax, pytest) that fork breaks
-            pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=min(jobs, len(fresh)), mp_context=multiprocessing.get_context("spawn"))
-            for key, c in fresh.items():
-                pending[key] = pool.submit(_worker, (c.source, c.arch, opts, f"{c.op}.cu"))
-        except (OSError, RuntimeError, ImportError):  # no processes here: compile serially
-            pending.clear()
+    jobs = default_jobs() if jobs is None else max(1, int(jobs))
+    fresh: dict[MemoKey, CompileCase] = {}
+    for c in todo:
+        if c.source and c.error is None:
+            key = _memo_key(c, _options(c, options))
+            if key not in _MEMO:
+                fresh.setdefault(key, c)
+    pending: dict[MemoKey, Any] = {}
+    pools: list[concurrent.futures.Executor] = []
+    if jobs > 1 and len(fresh) > 1:
+        pending = _submit(fresh, options, min(jobs, len(fresh)), pools)
     results = []
     try:
         for case in todo:
-            key = _memo_key(case, opts) if case.source else None
+            key = _memo_key(case, _options(case, options)) if case.source else None
             fut = pending.pop(key, None) if key is not None else None
-            raw = None
+            got = None
             if fut is not None:  # the first case with this source: compiled by a worker
                 try:
-                    raw = fut.result()
+                    got = fut.result()
                 except Exception:  # a worker died (e.g. killed): redo this one here
-                    raw = None
-            if raw is not None:
-                res = _MEMO[key] = _result(case, raw)  # type: ignore[index]
+                    got = None
+            if got is not None:
+                res = _MEMO[key] = _result(case, got)  # type: ignore[index]
             else:
-                res = compile_case(case, opts)
+                res = compile_case(case, options)
             results.append(res)
             if progress is not None:
                 progress(res)
     finally:
-        if pool is not None:
+        for pool in pools:
             pool.shutdown(wait=True, cancel_futures=True)
     return results
+
+
+def _submit(fresh: dict[MemoKey, CompileCase], options: Sequence[str] | None, workers: int,
+            pools: list[Any]) -> dict[MemoKey, Any]:
+    """Start one compile per distinct source: a process pool for targets whose compiler holds
+    the GIL, a thread pool for the others. No processes here: {} (compiled serially)."""
+    import concurrent.futures
+    import multiprocessing
+
+    pending: dict[MemoKey, Any] = {}
+    by_kind: dict[bool, Any] = {}
+    try:
+        for key, c in fresh.items():
+            tgt = _target(c)
+            pool = by_kind.get(tgt.needs_processes)
+            if pool is None:
+                if tgt.needs_processes:  # spawn, not fork: the parent may hold threads
+                    pool = concurrent.futures.ProcessPoolExecutor(
+                        max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+                else:
+                    pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+                by_kind[tgt.needs_processes] = pool
+                pools.append(pool)
+            job = (c.target, c.source, c.arch, _options(c, options), _file_name(c))
+            pending[key] = pool.submit(_worker, job)
+    except (OSError, RuntimeError, ImportError):  # no workers here: compile serially
+        pending.clear()
+    return pending
+
+
+def compile_cases_hip(todo: Sequence[CompileCase], progress: Callable[[CompileResult], None] | None
+                      = None, jobs: int | None = None) -> list[CompileResult]:
+    """``compile_cases`` (kept for callers of earlier versions)."""
+    return compile_cases(todo, progress, None, jobs)
 
 
 # --- the command ------------------------------------------------------------------------
@@ -450,47 +426,54 @@ def _printer(table: _Table) -> Callable[[CompileResult], None]:
     return progress
 
 def main(args: argparse.Namespace) -> int:
-    """``portakern check --backend cuda --compile-only``: print the table; non-zero on failure."""
-    from .backends import compile_only
-
+    """``portakern check --backend cuda|hip --compile-only``: per target, the table of every
+    op x dtype x schedule x architecture; non-zero when a case fails or a required
+    architecture is refused."""
     try:
         targets = [compile_only.get(b) for b in
-                   (_split(getattr(args, "backend", None)) or ["cuda"])]
+                   (_split(getattr(args, "backend", None)) or [compile_only.DEFAULT])]
     except PortakernError as exc:
         print(f"error: {exc}")
         return 2
     rc = 0
     for target in {t.name: t for t in targets}.values():
-        run = hip_main if target.compiler == "hipcc" else _nvrtc_main
-        rc = max(rc, run(args))
+        rc = max(rc, _check(target, args))
     return rc
 
 
-def _nvrtc_main(args: argparse.Namespace) -> int:
-    """The CUDA dialect through NVRTC for compute_XX."""
+def _check(target: CompileOnlyTarget, args: argparse.Namespace) -> int:
+    """One target: its default (and further) architectures, or the ones given; each refused
+    one listed with the compiler's reason (an error when it was required: given, or a
+    default)."""
     try:
-        archs = [normalize_arch(a) for a in (_split(getattr(args, "arch", None))
-                                             or DEFAULT_ARCHS)]
+        tool = target.toolchain()
+        given = [target.normalize_arch(a) for a in _split(getattr(args, "arch", None)) or ()]
+        archs = list(dict.fromkeys(given or target.default_archs + target.further_archs))
         ops = _split(getattr(args, "ops", None))
         dts = _split(getattr(args, "dtypes", None))
         for op in ops or ():
             get_op(op)
         for dt in dts or ():
             dtypes.info(dt)
-        nv = ".".join(str(v) for v in _nvrtc().getVersion())
-        opts = base_options()
+        opts = target.options()
+        refused = {a: why for a in archs if (why := target.refusal(a))}
     except PortakernError as exc:
         print(f"error: {exc}")
         return 2
-
-    print(f"portakern compile-only check: NVRTC {nv}, dialect {DIALECT}, options "
+    label = target.compile_label
+    required = set(given or target.default_archs)
+    accepted = [a for a in archs if a not in refused]
+    print(f"portakern compile-only check: {tool}, dialect {target.dialect}, options "
           f"{' '.join(opts)}")
-    table = _Table(archs)
+    print(f"targets accepted by this toolchain: {', '.join(map(label, accepted)) or '(none)'}")
+    for a, why in refused.items():
+        print(f"target {label(a)} not accepted{' (REQUIRED)' if a in required else ''}: {why}")
+    table = _Table(accepted, label=label)
     print(table.header())
     progress = _printer(table)
     t0 = time.perf_counter()
     try:
-        results = compile_all(archs, ops, dts, progress, opts)
+        results = compile_cases(cases(accepted, ops, dts, target), progress, opts)
     except PortakernError as exc:
         print(f"error: {exc}")
         return 2
@@ -500,18 +483,23 @@ def _nvrtc_main(args: argparse.Namespace) -> int:
     _print_failures(failed)
     for r in {r.case.op: r for r in skipped}.values():
         print(f"SKIPPED {r.case.op}: {r.note}")
+    missing = sorted(label(a) for a in required & set(refused))
     compiled = sum(1 for r in results if r.status != "skip" and not r.reused)
     print(f"\n{len(results)} cases ({compiled} compiled, "
           f"{sum(r.reused for r in results)} identical sources reused), {len(failed)} failed, "
-          f"{len(skipped)} skipped, {wall:.1f} s")
+          f"{len(skipped)} skipped, {len(refused)} targets not accepted"
+          f"{' (' + ', '.join(missing) + ' required)' if missing else ''}, {wall:.1f} s")
     out = getattr(args, "out", None)
     if out:
         with open(out, "w") as f:
-            json.dump({"kind": "compile-only", "nvrtc": nv, "options": list(opts),
-                       "archs": [f"compute_{a}" for a in archs], "seconds": round(wall, 2),
-                       "results": [r.as_dict() for r in results]}, f, indent=1)
+            json.dump({"kind": "compile-only", "target": target.name, "compiler": tool,
+                       "options": list(opts), "archs": [label(a) for a in accepted],
+                       "refused": {label(a): why for a, why in refused.items()},
+                       "seconds": round(wall, 2),
+                       "results": [r.as_dict() | {"kernels": r.kernels} for r in results]},
+                      f, indent=1)
         print(f"results written to {out}")
-    return 1 if failed else 0
+    return 1 if failed or missing else 0
 
 
 MAX_DUMPS = 8
@@ -531,139 +519,3 @@ def _print_failures(failed: list[CompileResult]) -> None:
                   "to see it")
             continue
         print(f"\n===== FAIL {names}\n{rs[0].error}")
-
-
-# --- AMD: the hip dialect through hipcc (portakern.backends.hip) -----------------------------
-_HIP_MEMO: dict[tuple[str, str], CompileResult] = {}
-
-
-def _hip() -> Any:
-    from .backends import hip
-
-    return hip
-
-
-def hip_cases(archs: Iterable[str] | None = None, ops: Iterable[str] | None = None,
-              dtypes_: Iterable[str] | None = None) -> list[CompileCase]:
-    """Every op x dtype x schedule x problem rendered in the hip dialect, per gfx target."""
-    hip = _hip()
-    out = cases(archs or hip.DEFAULT_ARCHS, ops, dtypes_, dialect=hip.DIALECT,
-                normalize=hip.normalize_arch)
-    for c in out:
-        c.label = c.arch
-    return out
-
-
-def compile_case_hip(case: CompileCase) -> CompileResult:
-    """Compile one hip case with hipcc (identical source+arch compiled once per process)."""
-    if case.error is not None:
-        return CompileResult(case, "FAIL", error=case.error, note="rendering failed")
-    if not case.source:
-        return CompileResult(case, "skip", note=f"no representative problem for {case.op!r}; "
-                             "give its KernelSpec `examples` (or `example`)")
-    key = (hashlib.sha256(case.source.encode()).hexdigest(), case.arch)
-    prev = _HIP_MEMO.get(key)
-    if prev is not None:
-        return CompileResult(case, prev.status, 0.0, prev.error, prev.ptx_bytes,
-                             prev.shared_bytes, reused=True,
-                             note=f"same source as {prev.case.name}", kernels=prev.kernels)
-    res = _hip().compile_source(case.source, case.arch, f"{case.op}.hip")
-    if not res.ok:
-        err = CompileError(f"hipcc failed to compile {case.op}.hip for {case.arch}",
-                           source=case.source, log=res.log, options=res.command,
-                           device=f"hipcc {case.arch} (compile only, {_hip().version()})")
-        out = CompileResult(case, "FAIL", res.seconds, error=err)
-    else:
-        out = CompileResult(case, "ok", res.seconds, ptx_bytes=res.object_bytes,
-                            shared_bytes=max((k["lds_bytes"] for k in res.kernels), default=0),
-                            kernels=res.kernels)
-    _HIP_MEMO[key] = out
-    return out
-
-
-def compile_hip_source(source: str, arch: str, name: str = "portakern.hip") -> CompileResult:
-    """Compile one rendered hip source; raise CompileError (log + numbered source) on failure."""
-    stem = name[:-4] if name.endswith(".hip") else name  # compiled as <stem>.hip
-    res = compile_case_hip(CompileCase(stem, "-", "-", "-", _hip().normalize_arch(arch), source,
-                                label=arch))
-    if res.error is not None:
-        raise res.error
-    return res
-
-
-def compile_cases_hip(todo: Sequence[CompileCase], progress: Callable[[CompileResult], None] | None
-                      = None, jobs: int | None = None) -> list[CompileResult]:
-    """Compile hip cases, distinct sources on ``jobs`` threads (each a hipcc process)."""
-    import concurrent.futures
-
-    jobs = default_jobs() if jobs is None else max(1, int(jobs))
-    first: dict[tuple[str, str], CompileCase] = {}
-    for c in todo:
-        if c.source and c.error is None:
-            first.setdefault((hashlib.sha256(c.source.encode()).hexdigest(), c.arch), c)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futs = {id(c): pool.submit(compile_case_hip, c) for c in first.values()}
-        results = []
-        for c in todo:
-            fut = futs.pop(id(c), None)
-            res = fut.result() if fut is not None else compile_case_hip(c)
-            results.append(res)
-            if progress is not None:
-                progress(res)
-    return results
-
-
-def hip_main(args: argparse.Namespace) -> int:
-    """``portakern check --backend hip --compile-only``: every op x dtype x schedule for each
-    gfx target this hipcc accepts; the refused further targets listed with the reason."""
-    hip = _hip()
-    try:
-        hip.require_hipcc()
-        ver = hip.version()
-        given = _split(getattr(args, "arch", None))
-        archs = [hip.normalize_arch(a) for a in
-                 (given or list(hip.DEFAULT_ARCHS) + list(hip.FURTHER_ARCHS))]
-        ops = _split(getattr(args, "ops", None))
-        dts = _split(getattr(args, "dtypes", None))
-        for op in ops or ():
-            get_op(op)
-        for dt in dts or ():
-            dtypes.info(dt)
-    except PortakernError as exc:
-        print(f"error: {exc}")
-        return 2
-    required = set(given or hip.DEFAULT_ARCHS)
-    refused = {a: why for a in archs if (why := hip.probe_arch(a))}
-    accepted = [a for a in archs if a not in refused]
-    print(f"portakern compile-only check: hipcc ({ver}), dialect {hip.DIALECT}, HIP_PLATFORM=amd,"
-          f" options {' '.join(hip.compile_options())}")
-    print(f"targets accepted by this toolchain: {', '.join(accepted) or '(none)'}")
-    for a, why in refused.items():
-        print(f"target {a} not accepted{' (REQUIRED)' if a in required else ''}: {why}")
-    table = _Table(accepted, label=lambda a: a)
-    print(table.header())
-    progress = _printer(table)
-    t0 = time.perf_counter()
-    results = compile_cases_hip(hip_cases(accepted, ops, dts), progress)
-    wall = time.perf_counter() - t0
-    failed = [r for r in results if r.status == "FAIL"]
-    skipped = [r for r in results if r.status == "skip"]
-    _print_failures(failed)
-    for r in {r.case.op: r for r in skipped}.values():
-        print(f"SKIPPED {r.case.op}: {r.note}")
-    missing = sorted(required & set(refused))
-    compiled = sum(1 for r in results if r.status != "skip" and not r.reused)
-    print(f"\n{len(results)} cases ({compiled} compiled, "
-          f"{sum(r.reused for r in results)} identical sources reused), {len(failed)} failed, "
-          f"{len(skipped)} skipped, {len(refused)} targets not accepted"
-          f"{' (' + ', '.join(missing) + ' required)' if missing else ''}, {wall:.1f} s")
-    out = getattr(args, "out", None)
-    if out:
-        with open(out, "w") as f:
-            json.dump({"kind": "compile-only", "compiler": f"hipcc {ver}",
-                       "options": list(hip.compile_options()), "archs": accepted,
-                       "refused": refused, "seconds": round(wall, 2),
-                       "results": [r.as_dict() | {"kernels": r.kernels} for r in results]},
-                      f, indent=1)
-        print(f"results written to {out}")
-    return 1 if failed or missing else 0

@@ -2,9 +2,10 @@
 without a GPU, and the theoretical occupancy that follows.
 
 For the op's default GPU schedule (and any ``--schedule`` or configuration given), rendered for
-a representative problem (portakern.compile_check's table: attention ``gqa d64``, matmul
-``a(2,64,48)@b(48,80)``, softmax ``x(8,1000)``, rmsnorm's example), each launched kernel is
-compiled and measured:
+the op's first representative problem (``compile_check.representative_problems``: its spec's
+``examples``, else its ``example``), each launched kernel is compiled and measured by the
+compile-only target's hooks (``portakern.backends.compile_only``: ``kernel_resources``,
+``occupancy``); nothing here names a vendor or a toolchain:
 
 * NVIDIA (``--backend cuda``): NVRTC's PTX for compute_XX, then ``ptxas -v --gpu-name sm_XX``:
   registers per thread, stack frame, spill stores/loads, barriers, static shared memory.
@@ -13,18 +14,19 @@ compiled and measured:
   work-item, LDS bytes, and the ``s_barrier`` instructions.
 
 Theoretical occupancy = resident warps (waves) per SM (CU) / the most the SM (CU) holds, from
-the registers, shared memory / LDS and group size, with the per-architecture limits in
-``portakern.backends.cuda.ARCH_LIMITS`` (sm_80, sm_90) and ``portakern.backends.hip
-.ARCH_LIMITS`` (gfx906, gfx90a, gfx1030; gfx1030 per WGP, the compiler's default mode). The
-limiting resource is named. What these figures cannot say: how fast the kernel runs (memory
-traffic, latency hiding, bank conflicts, instruction mix), and whether the run-time compiler
+the registers, shared memory / LDS and group size, with the per-architecture limits and
+calculators in ``portakern.backends.cuda`` (``ARCH_LIMITS`` sm_80, sm_90; ``occupancy``) and
+``portakern.backends.hip`` (gfx906, gfx90a, gfx1030; gfx1030 per WGP, the compiler's default
+mode). The limiting resource is named. What these figures cannot say: how fast the kernel
+runs (memory traffic, latency hiding, bank conflicts, instruction mix), and whether the
+run-time compiler
 of a given driver allocates the same registers; they are a floor on waste (a spill or a
 stack array is memory traffic a GPU pays on every access), not a prediction of time.
 
 The floor held in CI (tests/test_resources.py): default GPU schedules of every built-in op x
-dtype on sm_80, sm_90 and gfx90a have no spills, no stack/private bytes, and at least 25%
-occupancy, or the floor an op states in its module docstring as ``Occupancy floor: N% for
-DTYPES`` with its justification.
+dtype on each target's ``floor_archs`` (sm_80, sm_90 and gfx90a) have no spills, no
+stack/private bytes, and at least 25% occupancy, or the floor an op states in its module
+docstring as ``Occupancy floor: N% for DTYPES`` with its justification.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from .ops import get_op
 from .spec import KernelSpec
 
 DEFAULT_FLOOR = 0.25
-FLOOR_ARCHS: dict[str, tuple[str, ...]] = {"cuda": ("80", "90"), "hip": ("gfx90a",)}
 
 
 @dataclass
@@ -83,43 +84,6 @@ class KernelReport:
         return self.spill_bytes == 0 and self.spill_loads == 0 and self.stack_bytes == 0
 
 
-# --- occupancy ---------------------------------------------------------------------------
-def _up(x: int, unit: int) -> int:
-    return -(-x // unit) * unit if unit else x
-
-
-def occupancy_nvidia(lim: Mapping[str, int], threads: int, regs: int, smem: int
-                     ) -> tuple[int, int, str]:
-    """(resident warps per SM, max warps, limiter) as the CUDA occupancy calculator has it."""
-    wpb = max(1, -(-threads // 32))
-    caps = {"warps": lim["warps"] // wpb, "blocks": lim["blocks"]}
-    if regs:
-        per_warp = _up(regs * 32, lim["reg_unit"])
-        caps["registers"] = (lim["regs"] // per_warp) // wpb
-    per_block = _up(smem + lim["smem_reserved"], lim["smem_unit"])
-    caps["shared memory"] = lim["smem"] // per_block
-    limiter = min(caps, key=lambda k: (caps[k], k not in ("warps", "blocks")))
-    return caps[limiter] * wpb, lim["warps"], limiter
-
-
-def occupancy_amd(lim: Mapping[str, int], threads: int, wave: int, vgpr: int, sgpr: int,
-                  lds: int) -> tuple[int, int, str]:
-    """(resident waves per CU/WGP, max waves, limiter): per SIMD from VGPRs/SGPRs, whole
-    work-groups from LDS and the wave slots."""
-    wpg = max(1, -(-threads // wave))
-    simds, maxw = lim["simds"], lim["waves_per_simd"]
-    per_simd = {"waves": maxw}
-    if vgpr:
-        per_simd["VGPRs"] = lim["vgprs"] // _up(vgpr, lim["vgpr_granule"])
-    if sgpr and lim["sgprs"]:
-        per_simd["SGPRs"] = lim["sgprs"] // _up(sgpr, lim["sgpr_granule"])
-    caps = {k: (v * simds) // wpg for k, v in per_simd.items()}
-    if lds:
-        caps["LDS"] = lim["lds"] // _up(lds, lim["lds_granule"])
-    limiter = min(caps, key=lambda k: (caps[k], k != "waves"))
-    return caps[limiter] * wpg, maxw * simds, limiter
-
-
 # --- floors ------------------------------------------------------------------------------
 _FLOOR = re.compile(r"occupancy floor:\s*([\d.]+)\s*%(?:\s+for\s+([\w, ]+?))?\s*[.;:(\n]",
                     re.I)
@@ -147,8 +111,9 @@ def render(spec: KernelSpec, dialect: str, dtype: str, schedule: str = "gpu",
 
     probs = representative_problems(spec, dtype)
     if not probs:
-        raise PortakernError(f"{spec.name}: no representative problem to render; register one "
-                             "with portakern.compile_check.register_representative.")
+        raise PortakernError(f"{spec.name}: no representative problem to render resources "
+                             "for; give its KernelSpec `examples` (or `example`, or `shapes`) "
+                             "and register it again.")
     label, prob = probs[problem]
     cfg = spec.config(schedule, dict(config) if config else None, prob)
     src = spec.render(dialect, prob, cfg)
@@ -173,58 +138,18 @@ def measure(op: str, backend: str = "cuda", arch: str | None = None, dtype: str 
     label, src, cfg, sizes = render(spec, target.dialect, dtype, schedule, config, problem)
     base = {"op": spec.name, "dtype": dtype, "schedule": schedule, "problem": label,
             "config": dict(cfg)}
-    if target.compiler == "hipcc":
-        return _amd(target, src, arch, sizes, base)
-    return _nvidia(target, src, arch, sizes, base)
-
-
-def _nvidia(target: Any, src: str, arch: str, sizes: Mapping[str, int],
-            base: dict[str, Any]) -> list[KernelReport]:
-    from .backends import cuda
-    from .compile_check import compile_source
-
-    if cuda.find_ptxas() is None:
-        raise BackendUnavailable(f"ptxas is not installed (CUDA resource reports need it). "
-                                 f"Fix: {cuda.PTXAS_FIX}.")
-    ptx = compile_source(src, arch, name=f"{base['op']}.cu")
-    lim = cuda.ARCH_LIMITS.get(arch)
     out = []
-    for k in cuda.ptxas_resources(ptx, arch):
-        if k["kernel"] not in sizes:
+    for k in target.kernel_resources(src, arch, f"{spec.name}{target.suffix}"):
+        if k.kernel not in sizes:
             continue  # compiled but not launched by this schedule (e.g. attention_pack_kv)
-        n = sizes[k["kernel"]]
-        rep = KernelReport(k["kernel"], target.arch_label(arch), k["registers"],
-                           k["spill_stores"], k["stack_bytes"], k["shared_bytes"], None,
-                           group_size=n, spill_loads=k["spill_loads"], barriers=k["barriers"],
-                           unit="SM", **base)
-        if lim:
-            rep.resident, rep.resident_max, rep.limiter = occupancy_nvidia(
-                lim, n, k["registers"], k["shared_bytes"])
-            rep.occupancy = rep.resident / rep.resident_max
-        out.append(rep)
-    return out
-
-
-def _amd(target: Any, src: str, arch: str, sizes: Mapping[str, int],
-         base: dict[str, Any]) -> list[KernelReport]:
-    from .backends import hip
-    from .compile_check import compile_hip_source
-
-    res = compile_hip_source(src, arch, name=f"{base['op']}.hip")
-    lim = hip.ARCH_LIMITS.get(arch)
-    out = []
-    for k in res.kernels:
-        if k["kernel"] not in sizes:
-            continue
-        n = sizes[k["kernel"]]
-        rep = KernelReport(k["kernel"], arch, k["vgpr"], 4 * k["vgpr_spills"],
-                           k["private_bytes"], k["lds_bytes"], None, group_size=n,
-                           spill_loads=4 * k["vgpr_spills"], barriers=k["barriers"],
-                           sgpr=k["sgpr"], agpr=k["agpr"],
-                           unit="WGP" if lim and lim["vgprs"] > 512 else "CU", **base)
-        if lim:
-            rep.resident, rep.resident_max, rep.limiter = occupancy_amd(
-                lim, n, k["wave_size"], k["vgpr"], k["sgpr"], k["lds_bytes"])
+        n = sizes[k.kernel]
+        rep = KernelReport(k.kernel, target.arch_label(arch), k.registers, k.spill_stores,
+                           k.stack_bytes, k.shared_bytes, None, group_size=n,
+                           spill_loads=k.spill_loads, barriers=k.barriers, sgpr=k.sgpr,
+                           agpr=k.agpr, unit=target.unit, **base)
+        occ = target.occupancy(arch, n, k)
+        if occ is not None:
+            rep.resident, rep.resident_max, rep.limiter, rep.unit = occ
             rep.occupancy = rep.resident / rep.resident_max
         out.append(rep)
     return out
@@ -255,7 +180,7 @@ def main(args: argparse.Namespace) -> int:
     from .backends import compile_only
 
     try:
-        backends = _split(args.backend) or ["cuda", "hip"]
+        backends = _split(args.backend) or compile_only.names()
         targets = [compile_only.get(b) for b in backends]
         dts = _split(args.dtype) or ["float32"]
         if dts == ["all"]:

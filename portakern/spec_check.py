@@ -119,14 +119,6 @@ def example_problem(spec: KernelSpec, dtype: str) -> Problem | None:
     return spec.problem(arrays, params)
 
 
-def representative_maker(spec: KernelSpec) -> Callable[[Any], list[tuple[str, dict, dict]]]:
-    """The example in compile_check's form: storage dtype -> [(label, arrays, params)]."""
-    def maker(storage: Any) -> list[tuple[str, dict, dict]]:
-        got = example_inputs(spec, dtypes.dtype_name(storage))
-        return [] if got is None else [("example", got[0], got[1])]
-    return maker
-
-
 # --- the derived case generator ------------------------------------------------------------
 def derived_cases(spec: KernelSpec) -> Callable[[Chooser, str], Case] | None:
     """A case generator from the shape family (``shapes``, else the example's shapes).

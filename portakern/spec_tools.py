@@ -28,6 +28,7 @@ import numpy as np
 
 from . import dtypes
 from . import spec_check as _core
+from .backends.compile_only import CompileOnlyTarget
 from .errors import CompileError, SpecError
 from .spec import KernelSpec, Problem
 from .spec_check import (  # noqa: F401  (re-exported: the checks themselves are core)
@@ -35,7 +36,6 @@ from .spec_check import (  # noqa: F401  (re-exported: the checks themselves are
     example_inputs,
     example_problem,
     kernel_names,
-    representative_maker,
     shape_family,
     spec_error,
 )
@@ -85,10 +85,11 @@ def compile_everywhere(spec: KernelSpec, problems: Mapping[str, Problem]) -> lis
                         raise _compile_failure(spec, be.describe(), dt, sched, cfg, exc) from exc
             done.append(be.describe())
             dialects_ran.add(str(cls.dialect))
-    from . import compile_check  # NVRTC covers the CUDA dialect when no CUDA device ran it
+    from .backends import compile_only  # compile-only covers its dialect if no device ran it
 
-    if compile_check.DIALECT not in dialects_ran:
-        done += _nvrtc_compile(spec, problems)
+    target = compile_only.get(compile_only.DEFAULT)
+    if target.dialect not in dialects_ran:
+        done += _compile_only(target, spec, problems)
     return done
 
 
@@ -102,31 +103,31 @@ def _compile_failure(spec: KernelSpec, where: str, dtype: str, sched: str,
                       "registered with check=False")
 
 
-def _nvrtc_compile(spec: KernelSpec, problems: Mapping[str, Problem]) -> list[str]:
-    """CUDA without a GPU: NVRTC compiles the cuda-dialect source (skipped if not importable)."""
-    from . import compile_check
-    from .errors import BackendUnavailable
-
+def _compile_only(target: CompileOnlyTarget, spec: KernelSpec,
+                  problems: Mapping[str, Problem]) -> list[str]:
+    """A dialect without its device (CUDA through NVRTC): the compile-only target compiles the
+    source for its oldest default architecture (what compiles there compiles on newer ones);
+    skipped when its toolchain is not installed."""
     try:
-        have = set(compile_check.supported_archs())
-    except (BackendUnavailable, Exception):
+        target.toolchain()
+        archs = [a for a in target.default_archs if not target.refusal(a)]
+    except Exception:  # toolchain missing or unloadable: nothing to compile with here
         return []
-    archs = [a for a in compile_check.DEFAULT_ARCHS if a in have]
     if not archs:
         return []
-    arch = archs[0]  # the oldest: what compiles there compiles on the newer ones
+    arch = archs[0]
+    where = f"{target.compiler.upper()} {target.compile_label(arch)}"
     for dt, prob in problems.items():
         if prob.empty_result:
             continue
         for sched in sorted(spec.schedules) or ["gpu"]:
             cfg = spec.config(sched, None, prob)
-            src = spec.render("cuda", prob, cfg)
-            try:
-                compile_check.compile_source(src, arch, name=f"{spec.name}.cu")
-            except CompileError as exc:
-                raise _compile_failure(spec, f"NVRTC compute_{arch}", dt, sched, cfg,
-                                       exc) from exc
-    return [f"NVRTC compute_{arch}"]
+            src = spec.render(target.dialect, prob, cfg)
+            got = target.compile(src, arch, None, f"{spec.name}{target.suffix}")
+            err = got.error(src)
+            if err is not None:
+                raise _compile_failure(spec, where, dt, sched, cfg, err) from err
+    return [where]
 
 
 def _trace_with_jax(spec: KernelSpec, prob: Problem) -> None:
@@ -215,5 +216,4 @@ def check_cases(spec: KernelSpec, problems: Mapping[str, Problem],
 
 
 __all__ = ["check_cases", "check_spec", "compile_everywhere", "derived_cases", "example_inputs",
-           "example_problem", "kernel_names", "representative_maker", "shape_family",
-           "spec_error"]
+           "example_problem", "kernel_names", "shape_family", "spec_error"]

@@ -100,9 +100,7 @@ def test_representative_problems_are_validated_problems() -> None:
 def _softmax_source() -> str:
     spec = get_op("softmax")
     _, prob = compile_check.representative_problems(spec, "float32")[0]
-    cfg = spec.config("gpu", None, prob)
-    return codegen.render(spec.source, "cuda", slots=spec.slots(prob),
-                          defines=spec.defines(prob, cfg))
+    return spec.render("cuda", prob, spec.config("gpu", None, prob))
 
 
 def test_broken_source_raises_compile_error_with_numbered_source_and_log() -> None:
@@ -187,6 +185,29 @@ def test_unsupported_arch_is_refused_with_the_supported_list() -> None:
     _nvrtc()
     with pytest.raises(pk.InvalidArgumentError, match="supports"):
         compile_check.compile_all(archs=["10"], ops=["softmax"])
+
+
+def test_main_lists_an_arch_this_nvrtc_cannot_target(capsys) -> None:  # noqa: ANN001
+    _nvrtc()
+    rc = compile_check.main(argparse.Namespace(backend=["cuda"], ops="softmax",
+                                               dtypes="float32", arch=["10", "80"], out=None))
+    out = capsys.readouterr().out
+    assert rc == 1, out  # a required architecture refused fails the check
+    assert "target compute_10 not accepted (REQUIRED)" in out and "supports" in out
+    assert re.search(r"^softmax\s+float32\s+gpu\s+\S+\s+ok$", out, re.M)  # 80 still compiled
+
+
+def test_the_compile_only_target_compiles_through_its_hook() -> None:
+    _nvrtc()
+    from portakern.backends import compile_only
+
+    target = compile_only.get("cuda")
+    src = _softmax_source()
+    got = target.compile(src, "80", None, "softmax" + target.suffix)
+    assert got.ok and got.object_bytes > 0 and got.error(src) is None
+    bad = target.compile(src + "\nthis is not C\n", "80", None, "softmax" + target.suffix)
+    assert not bad.ok and isinstance(bad.error(src), CompileError)
+    assert "compute_80" in bad.device
 
 
 # --- numerics are stated in the options ---------------------------------------------------
@@ -302,9 +323,7 @@ def test_show_attention_for_cuda_prints_cuda_c(capsys) -> None:  # noqa: ANN001
 def test_attention_renders_as_cuda_c() -> None:
     spec = get_op("attention")
     _, prob = compile_check.representative_problems(spec)[0]
-    cfg = spec.config("gpu", None, prob)
-    _assert_cuda_c(codegen.render(spec.source, "cuda", slots=spec.slots(prob),
-                                  defines=spec.defines(prob, cfg)))
+    _assert_cuda_c(spec.render("cuda", prob, spec.config("gpu", None, prob)))
 
 
 # --- on a GPU (benchmarks/gpu_check.sh) ---------------------------------------------------

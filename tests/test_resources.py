@@ -17,14 +17,14 @@ import os
 import pytest
 
 from portakern import resources
+from portakern.backends import compile_only
 from portakern.ops import get_op
 
 cuda = importlib.import_module("portakern.backends.cuda")
 hip = importlib.import_module("portakern.backends.hip")
 BUILTIN_OPS = ("matmul", "softmax", "rmsnorm", "attention")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-FLOOR_TARGETS = [("cuda", a) for a in resources.FLOOR_ARCHS["cuda"]] + \
-                [("hip", a) for a in resources.FLOOR_ARCHS["hip"]]
+FLOOR_TARGETS = [(t, a) for t in compile_only.names() for a in compile_only.get(t).floor_archs]
 
 
 def need(tool: str) -> None:
@@ -60,17 +60,17 @@ def test_attention_states_its_float64_floor() -> None:
 
 def test_occupancy_tables() -> None:
     lim = cuda.ARCH_LIMITS["90"]
-    assert resources.occupancy_nvidia(lim, 64, 128, 16512) == (16, 64, "registers")
-    assert resources.occupancy_nvidia(lim, 128, 163, 16384)[0] == 12  # 168 x 32 per warp
-    assert resources.occupancy_nvidia(lim, 256, 32, 0) == (64, 64, "warps")
-    assert resources.occupancy_nvidia(cuda.ARCH_LIMITS["80"], 256, 32, 80000)[2] == \
+    assert cuda.occupancy(lim, 64, 128, 16512) == (16, 64, "registers")
+    assert cuda.occupancy(lim, 128, 163, 16384)[0] == 12  # 168 x 32 per warp
+    assert cuda.occupancy(lim, 256, 32, 0) == (64, 64, "warps")
+    assert cuda.occupancy(cuda.ARCH_LIMITS["80"], 256, 32, 80000)[2] == \
         "shared memory"
     g = hip.ARCH_LIMITS["gfx90a"]
-    assert resources.occupancy_amd(g, 64, 64, 128, 40, 0) == (16, 32, "VGPRs")  # 4 per SIMD
-    assert resources.occupancy_amd(g, 64, 64, 128, 40, 16512) == (3, 32, "LDS")  # 64 KiB/CU
-    assert resources.occupancy_amd(g, 256, 64, 24, 24, 2048) == (32, 32, "waves")
+    assert hip.occupancy(g, 64, 64, 128, 40, 0) == (16, 32, "VGPRs")  # 4 per SIMD
+    assert hip.occupancy(g, 64, 64, 128, 40, 16512) == (3, 32, "LDS")  # 64 KiB/CU
+    assert hip.occupancy(g, 256, 64, 24, 24, 2048) == (32, 32, "waves")
     r = hip.ARCH_LIMITS["gfx1030"]
-    assert resources.occupancy_amd(r, 128, 32, 123, 37, 8256) == (32, 64, "VGPRs")
+    assert hip.occupancy(r, 128, 32, 123, 37, 8256) == (32, 64, "VGPRs")
 
 
 def test_ptxas_log_and_amd_metadata_are_parsed() -> None:

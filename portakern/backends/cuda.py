@@ -32,7 +32,7 @@ Numerics (why each option in ``BASE_OPTIONS`` is what it is):
 Headers: NVRTC has no default include path, so ``-I`` names the first directory holding
 ``cuda_fp16.h``: $CUDA_PATH/$CUDA_HOME, the toolkit CuPy found, cuda-pathfinder, the
 ``nvidia-cuda-runtime-cu12`` wheel, /usr/local/cuda. ``compile_options()`` is also what the
-compile-only check (portakern/compile_check.py) uses, so the check compiles what we run.
+compile-only NVRTC driver (portakern/backends/nvrtc.py) uses, so the check compiles what we run.
 
 Caching: a module is identified by (rendered source, options, compute capability, NVRTC and
 CuPy versions); it is cached per backend instance (one per device) in memory and, as the
@@ -556,6 +556,24 @@ ARCH_LIMITS: dict[str, dict[str, int]] = {
     "90": {"warps": 64, "blocks": 32, "regs": 65536, "reg_unit": 256, "max_regs": 255,
            "smem": 228 * 1024, "smem_unit": 128, "smem_reserved": 1024},
 }
+
+
+def occupancy(lim: dict[str, int], threads: int, regs: int, smem: int) -> tuple[int, int, str]:
+    """(resident warps per SM, max warps, limiter) as the CUDA occupancy calculator has it,
+    for a block of ``threads`` using ``regs`` registers per thread and ``smem`` bytes of static
+    shared memory, under one ``ARCH_LIMITS`` entry."""
+    def up(x: int, unit: int) -> int:
+        return -(-x // unit) * unit if unit else x
+
+    wpb = max(1, -(-threads // 32))
+    caps = {"warps": lim["warps"] // wpb, "blocks": lim["blocks"]}
+    if regs:
+        per_warp = up(regs * 32, lim["reg_unit"])
+        caps["registers"] = (lim["regs"] // per_warp) // wpb
+    per_block = up(smem + lim["smem_reserved"], lim["smem_unit"])
+    caps["shared memory"] = lim["smem"] // per_block
+    limiter = min(caps, key=lambda k: (caps[k], k not in ("warps", "blocks")))
+    return caps[limiter] * wpb, lim["warps"], limiter
 
 
 def find_ptxas() -> str | None:

@@ -257,3 +257,30 @@ ARCH_LIMITS: dict[str, dict[str, int]] = {
 }
 UNIT = "CU"  # gfx1030 rows are per WGP (2 CUs); the report says so
 
+
+def occupancy(lim: dict[str, int], threads: int, wave: int, vgpr: int, sgpr: int,
+              lds: int) -> tuple[int, int, str]:
+    """(resident waves per CU/WGP, max waves, limiter) under one ``ARCH_LIMITS`` entry: per
+    SIMD from VGPRs/SGPRs, whole work-groups from LDS and the wave slots."""
+    def up(x: int, unit: int) -> int:
+        return -(-x // unit) * unit if unit else x
+
+    wpg = max(1, -(-threads // wave))
+    simds, maxw = lim["simds"], lim["waves_per_simd"]
+    per_simd = {"waves": maxw}
+    if vgpr:
+        per_simd["VGPRs"] = lim["vgprs"] // up(vgpr, lim["vgpr_granule"])
+    if sgpr and lim["sgprs"]:
+        per_simd["SGPRs"] = lim["sgprs"] // up(sgpr, lim["sgpr_granule"])
+    caps = {k: (v * simds) // wpg for k, v in per_simd.items()}
+    if lds:
+        caps["LDS"] = lim["lds"] // up(lds, lim["lds_granule"])
+    limiter = min(caps, key=lambda k: (caps[k], k != "waves"))
+    return caps[limiter] * wpg, maxw * simds, limiter
+
+
+def unit(arch: str) -> str:
+    """What a resident-wave count of ``arch`` is per: a WGP (two CUs) on gfx10+'s default
+    WGP mode, whose limits table pools more than 512 VGPRs, else a CU."""
+    lim = ARCH_LIMITS.get(arch)
+    return "WGP" if lim and lim["vgprs"] > 512 else UNIT
