@@ -107,7 +107,7 @@ else
     printf '%s\t%s\t%s\t%s\n' "setup" 0 "$(($(date +%s) - START_S))" "$PY" >> "$STEPS"
     SETUP_OK=1
 fi
-PK=("$PY" -m portakern.cli)
+PK=("$PY" -m portakern.tools.cli)
 
 # --- the checks --------------------------------------------------------------------------------
 if [ "$SETUP_OK" -eq 1 ]; then

@@ -6,7 +6,7 @@ from . import backends  # the registry; calling it lists every backend
 from ._version import __version__ as __version__
 from .api import attention, call, matmul, rmsnorm, softmax
 from .backends import refresh as refresh_backends
-from .errors import (
+from .core.errors import (
     BackendUnavailable,
     CompileError,
     DeviceMemoryError,
@@ -20,11 +20,7 @@ from .errors import (
     UnknownBackendError,
     UnsupportedDTypeError,
 )
-from .info import to_backend
-from .ops import register_op as _register_op
-from .ops import unregister_op
-from .selection import explain, use
-from .spec import (
+from .core.spec import (
     ArrayMeta,
     Buf,
     Cost,
@@ -36,8 +32,12 @@ from .spec import (
     Scalar,
     Tunable,
 )
-from .statmodel import StatModel
-from .verify import Verdict, verify
+from .core.statmodel import StatModel
+from .ops import register_op as _register_op
+from .ops import unregister_op
+from .runtime.selection import explain, use
+from .runtime.transfers import to_backend
+from .runtime.verify import Verdict, verify
 
 __all__ = [
     "ArrayMeta", "BackendUnavailable", "Buf", "CompileError", "Cost", "DTypeError",
@@ -55,15 +55,15 @@ __all__ = [
 def register_op(spec: KernelSpec, *, replace: bool = False, check: bool = False) -> KernelSpec:
     """Make a spec visible to `portakern.call`, `portakern check`, the tests and the benchmark.
 
-    The spec is checked first (portakern.spec_check.check_spec): a malformed field raises
+    The spec is checked first (portakern.core.spec_checks.check_spec): a malformed field raises
     SpecError naming the spec, the field and the fix. ``check=True`` also compiles the spec's
     example on every available C-kernel backend and through NVRTC, and traces its semantics
     with jax (seconds, not milliseconds: use it in tests and when developing an op).
     """
     if check and isinstance(spec, KernelSpec):  # the tool loads only when asked for
-        from .spec_tools import check_spec
+        from .tools.registration import check_registered
 
-        check_spec(spec, compile=True)
+        check_registered(spec, compile=True)
     return _register_op(spec, replace=replace)
 
 
@@ -71,7 +71,7 @@ def __getattr__(name: str) -> object:
     """Public names that live in tools modules, imported on first use so that importing the
     package or calling an op loads no tool (tests/test_layers.py)."""
     if name == "register_cases":
-        from .cases import register_cases
+        from .tools.cases import register_cases
 
         globals()[name] = register_cases
         return register_cases

@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from .backends.base import Backend
+from .core.spec import KernelSpec
 from .ops import get_op
-from .plan import dispatch
-from .spec import KernelSpec
+from .runtime.plan import dispatch
 
 
 def call(op: str | KernelSpec, *args: Any, backend: str | Backend | None = None,
@@ -17,7 +17,7 @@ def call(op: str | KernelSpec, *args: Any, backend: str | Backend | None = None,
 
     ``config`` overrides tunables (validated against each tunable's domain). ``out`` is a
     device array of the result's shape and dtype to write into (C-kernel backends). The one
-    path of every entry point is portakern.plan.dispatch."""
+    path of every entry point is portakern.runtime.plan.dispatch."""
     return dispatch(op if op.__class__ is KernelSpec else _spec(op), args, kwargs, backend,
                     config, out)
 

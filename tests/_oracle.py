@@ -9,10 +9,11 @@ from hypothesis import note
 from hypothesis import strategies as st
 
 import portakern as pk
-from portakern import selection
-from portakern.cases import CASES, Case, Chooser
+from portakern.core.sampling import Case, Chooser
 from portakern.ops import get_op
-from portakern.verify import Verdict, compare_arrays
+from portakern.runtime import selection
+from portakern.runtime.verify import Verdict, compare_arrays
+from portakern.tools.cases import CASES
 
 
 class HypothesisChooser(Chooser):

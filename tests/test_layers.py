@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ("portakern.tune", "portakern.compile_check", "portakern.resources",
-         "portakern.spec_tools", "portakern.cases", "portakern.conformance", "portakern.show",
-         "portakern.trace", "portakern.bench", "portakern.cli")
+TOOLS = ("portakern.tools.autotune", "portakern.tools.compile_check", "portakern.tools.resources",
+         "portakern.tools.registration", "portakern.tools.cases", "portakern.tools.conformance",
+         "portakern.tools.show",
+         "portakern.tools.trace", "portakern.tools.bench", "portakern.tools.cli")
 
 
 def _modules() -> dict[str, Path]:
@@ -122,7 +123,7 @@ def test_no_import_cycles() -> None:
 def test_no_submodule_imports_the_package() -> None:
     bad = sorted(m for m, deps in _graph().items() if m != "portakern" and "portakern" in deps)
     assert not bad, f"these import the package itself (use relative imports): {bad}"
-    # an absolute `from portakern.errors import X` imports the package first, too: submodules
+    # an absolute `from portakern.core.errors import X` imports the package first, too: submodules
     # import each other relatively (function-level imports included)
     absolute = []
     for path in sorted((ROOT / "portakern").rglob("*.py")):

@@ -19,11 +19,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import dtypes, settings
-from ..errors import UnsupportedDTypeError
-from ..host import nbytes_of
-from ..lru import LRUCache  # also re-exported: plan, jax
-from ..spec import KernelSpec, Launch, Problem, storage_dtype
+from ..core import dtypes, settings
+from ..core.errors import UnsupportedDTypeError
+from ..core.host import nbytes_of
+from ..core.lru import LRUCache  # also re-exported: plan, jax
+from ..core.spec import KernelSpec, Launch, Problem, storage_dtype
 
 
 @dataclass
@@ -83,7 +83,7 @@ _INSTANCES: weakref.WeakSet = weakref.WeakSet()  # every Backend instance of thi
 
 
 def _cache_bound(env: str, default: int) -> int:
-    """A cache bound from its setting (portakern.settings: a positive int, else the default)."""
+    """A cache bound from its setting (core.settings: a positive int, else the default)."""
     return int(settings.get(env) or default)
 
 
@@ -106,7 +106,7 @@ if hasattr(os, "register_at_fork"):
 
 
 # Called (no arguments) when a C-kernel backend's compiled-code cache evicts a program: the
-# runtime's plan cache (portakern.plan) registers its clear here, so no plan keeps an evicted
+# runtime's plan cache (runtime/plan.py) registers its clear here, so no plan keeps an evicted
 # program alive and the KERNEL_CACHE_SIZE bound holds.
 KERNEL_EVICTION_LISTENERS: list[Any] = []
 
@@ -383,7 +383,7 @@ class KernelBackend(Backend):
 
         return launch_it
 
-    # fast per-call checks: the Plan layer's runner (portakern/plan.py) uses them when offered
+    # fast per-call checks: the Plan layer's runner (runtime/plan.py) uses them when offered
     def native_checker(self, shape: tuple[int, ...], dtype: Any
                        ) -> Callable[[Any], Any] | None:
         """A callable ``check(x)`` for operands of exactly this shape and dtype (the plan key

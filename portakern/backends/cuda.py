@@ -32,7 +32,7 @@ Numerics (why each option in ``BASE_OPTIONS`` is what it is):
 Headers: NVRTC has no default include path, so ``-I`` names the first directory holding
 ``cuda_fp16.h``: $CUDA_PATH/$CUDA_HOME, the toolkit CuPy found, cuda-pathfinder, the
 ``nvidia-cuda-runtime-cu12`` wheel, /usr/local/cuda. ``compile_options()`` is also what the
-compile-only NVRTC driver (portakern/backends/nvrtc.py) uses, so the check compiles what we run.
+compile-only NVRTC driver (portakern/toolchains/nvrtc.py) uses, so the check compiles what we run.
 
 Caching: a module is identified by (rendered source, options, compute capability, NVRTC and
 CuPy versions); it is cached per backend instance (one per device) in memory and, as the
@@ -61,16 +61,16 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes, settings
-from ..errors import (
+from ..core import dtypes, settings
+from ..core.errors import (
     BackendUnavailable,
     CompileError,
     DeviceMemoryError,
     InvalidArgumentError,
     UnknownBackendError,
 )
-from ..lru import LRUCache
-from ..spec import Launch, storage_dtype
+from ..core.lru import LRUCache
+from ..core.spec import Launch, storage_dtype
 from .base import KERNEL_CACHE_SIZE, Availability, DeviceInfo, KernelBackend
 
 try:  # optional dependency: guarded, with an install hint in the availability record
@@ -484,7 +484,7 @@ def _cache_dir() -> str | None:
     if settings.raw("PORTAKERN_CUDA_CACHE") is not None:
         got = settings.get("PORTAKERN_CUDA_CACHE")
     else:
-        from ..cache import cache_root
+        from ..core.cache import cache_root
 
         got = str(cache_root() / "cuda")
     if got is not None:

@@ -34,16 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import (
+from ..core import dtypes
+from ..core.errors import (
     BackendUnavailable,
     DeviceMemoryError,
     InvalidArgumentError,
     UnknownBackendError,
     UnsupportedDTypeError,
 )
-from ..host import native_byte_order
-from ..spec import KernelSpec, Problem, storage_dtype
+from ..core.host import native_byte_order
+from ..core.spec import KernelSpec, Problem, storage_dtype
 from .base import FUNCTION_CACHE_SIZE, Availability, Backend, DeviceInfo, LRUCache, _cache_bound
 
 try:  # optional dependency: guarded, with an install hint in the availability record
@@ -513,7 +513,7 @@ class JaxBackend(Backend):
         except ValueError as exc:
             if "incompatible devices" not in str(exc):
                 raise
-            from ..errors import ContextMismatchError
+            from ..core.errors import ContextMismatchError
 
             where = "; ".join(f"{o.name}: {sorted(str(d) for d in x.devices())}"
                               for o, x in zip(spec.operands, args) if hasattr(x, "devices"))

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes
-from ..host import host_operand, nbytes_of
-from ..spec import KernelSpec, Problem, storage_dtype
+from ..core import dtypes
+from ..core.host import host_operand, nbytes_of
+from ..core.spec import KernelSpec, Problem, storage_dtype
 from .base import Availability, Backend, DeviceInfo
 
 
@@ -39,7 +39,7 @@ class NumpyBackend(Backend):
 
     def _open(self, selector: str | None) -> DeviceInfo:
         if selector not in (None, "", "0", "cpu"):
-            from ..errors import UnknownBackendError
+            from ..core.errors import UnknownBackendError
 
             raise UnknownBackendError(f"numpy has one device (numpy, numpy:0 or numpy:cpu); "
                                       f"got numpy:{selector}.")

@@ -10,7 +10,7 @@ uses of uninitialised values (OCLGRIND_UNINITIALIZED) and invalid OpenCL API use
 the kind, the rendered source line and the work-items. It also counts every instruction a
 launch executes, bytes loaded and stored per address space included (OCLGRIND_INST_COUNTS),
 which ``portakern trace`` reads. It is an interpreter (thousands of times slower than PoCL):
-never chosen automatically and not in the shared suite's targets; tests/test_simulator.py
+never chosen automatically and not in the shared suite's targets; tests/backends/test_simulator.py
 sweeps it at small shapes. It proves nothing about timing or CUDA-only behaviour.
 
 How it is loaded. The package's ICD library (``liboclgrind-rt-icd.so``) is opened with ctypes
@@ -50,9 +50,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import settings
-from ..errors import BackendUnavailable, KernelFaultError, UnknownBackendError
-from ..spec import Launch
+from ..core import settings
+from ..core.errors import BackendUnavailable, KernelFaultError, UnknownBackendError
+from ..core.spec import Launch
 from . import opencl
 from .base import Availability, DeviceInfo
 from .opencl import OpenCLBackend, _all_devices, _is_allocation_failure, cl

@@ -17,17 +17,17 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes, settings
-from ..errors import (
+from ..core import dtypes, settings
+from ..core.errors import (
     BackendUnavailable,
     CompileError,
     DeviceMemoryError,
     ForkedProcessError,
     UnknownBackendError,
 )
-from ..host import native_byte_order
-from ..lru import LRUCache
-from ..spec import Launch, storage_dtype
+from ..core.host import native_byte_order
+from ..core.lru import LRUCache
+from ..core.spec import Launch, storage_dtype
 from .base import Availability, DeviceInfo, KernelBackend
 
 try:  # optional dependency: guarded, with an install hint in the availability record
@@ -325,7 +325,7 @@ class OpenCLBackend(KernelBackend):
         if ctx is not self.ctx and ctx != self.ctx:  # identity first: the per-call path
             raise self._context_error(name, x)
         if x.offset or not x.flags.c_contiguous:
-            from ..errors import InvalidArgumentError
+            from ..core.errors import InvalidArgumentError
 
             raise InvalidArgumentError(
                 f"argument {name!r} is a non-contiguous or offset pyopencl view (strides "
@@ -335,7 +335,7 @@ class OpenCLBackend(KernelBackend):
             bd = x.base_data
             have = -1 if bd is None else bd.size
             if nbytes > have or nbytes != x.size * x.dtype.itemsize:
-                from ..errors import InvalidArgumentError
+                from ..core.errors import InvalidArgumentError
 
                 raise InvalidArgumentError(
                     f"argument {name!r} (pyopencl Array, shape {tuple(x.shape)}, dtype "
@@ -454,7 +454,7 @@ class OpenCLBackend(KernelBackend):
     def check_writable(self, spec: Any, out: Any) -> None:
         bd = out.base_data
         if bd is not None and bd.flags & cl.mem_flags.READ_ONLY:
-            from ..errors import InvalidArgumentError
+            from ..core.errors import InvalidArgumentError
 
             raise InvalidArgumentError(
                 f"{spec.name}: out= is backed by a READ_ONLY OpenCL buffer; the kernel must "
@@ -470,7 +470,7 @@ class OpenCLBackend(KernelBackend):
     def _context_error(self, name: str, x: Any) -> Exception:
         """Both contexts named (their devices, and the portakern backend that owns the array's
         context when there is one) and the fix."""
-        from ..errors import ContextMismatchError
+        from ..core.errors import ContextMismatchError
         from .base import _INSTANCES
 
         def devices(ctx: Any) -> str:
@@ -770,6 +770,6 @@ def _cache_dir() -> str | None:
             return None
         if os.path.expanduser("~") != "~":
             return None
-    from ..cache import cache_root
+    from ..core.cache import cache_root
 
     return str(cache_root() / "pyopencl")

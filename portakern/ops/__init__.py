@@ -23,9 +23,9 @@ from importlib import metadata
 from types import ModuleType
 from typing import Any
 
-from ..errors import InvalidArgumentError, SpecError
-from ..spec import KernelSpec
-from ..spec_check import check_spec
+from ..core.errors import InvalidArgumentError, SpecError
+from ..core.spec import KernelSpec
+from ..core.spec_checks import check_spec
 from . import attention, matmul, softmax
 
 ENTRY_POINT_GROUP = "portakern.ops"
@@ -77,9 +77,9 @@ OPS: dict[str, KernelSpec] = _Registry(
 def register_op(spec: KernelSpec, *, replace: bool = False) -> KernelSpec:
     """Make a spec visible to `portakern.call`, `portakern check`, the tests and the benchmark.
 
-    The spec is checked first (portakern.spec_check.check_spec): a malformed field raises
+    The spec is checked first (portakern.core.spec_checks.check_spec): a malformed field raises
     SpecError naming the spec, the field and the fix. ``portakern.register_op(spec,
-    check=True)`` also compiles the spec's example everywhere (portakern.spec_tools, a tool).
+    check=True)`` also compiles the spec's example everywhere (tools/registration.py).
     """
     def refuse_duplicate() -> None:
         current = dict.get(OPS, spec.name)  # a plain read: registering never loads plugins

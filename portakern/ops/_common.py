@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from importlib import resources
 
-from ..errors import ShapeError
+from ..core.errors import ShapeError
 
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y/z; OpenCL devices accept at least this
 

@@ -12,7 +12,7 @@ O(Sk u) (exp, sum, online rescales); o = sum_j p_j v_j adds Sk u sum_j p_j |v_j|
 scales with W = sum_j p_j |v_j|, so the bound is W * rel + u_out |o| + floor.
 
 GPU schedule and its static resources (`portakern resources attention`, held in CI by
-tests/test_resources.py): one query per work-item, BQ = 128 items per group sharing BK = 16
+tests/tools/test_resources.py): one query per work-item, BQ = 128 items per group sharing BK = 16
 key/value rows in local memory; the item keeps its Dv output accumulators and 8 scores in
 registers (fully unrolled, so nothing goes to the stack) and re-reads q from the cache. For
 D = Dv = 64 that is 128 registers on sm_80/sm_90 (25% occupancy, 16 of 64 warps) and ~170
@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes
-from ..dtypes import dtype_name
-from ..errors import InvalidArgumentError, ShapeError
-from ..sampling import HEAD_DIMS, Case, Chooser, normal
-from ..spec import (
+from ..core import dtypes
+from ..core.dtypes import dtype_name
+from ..core.errors import InvalidArgumentError, ShapeError
+from ..core.sampling import HEAD_DIMS, Case, Chooser, normal
+from ..core.spec import (
     MAX_INDEX,
     ArrayMeta,
     Buf,
@@ -325,7 +325,7 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
       scale product (u |s_j|), the final division: u (2 max|s| + dist + E + 4)(W_d + |o_d|).
 
     One group per query row (its elements share the row's weights)."""
-    from ..statmodel import StatModel
+    from ..core.statmodel import StatModel
 
     d = p.derived
     u = float(np.finfo(p.info.compute).eps) / 2

@@ -37,8 +37,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import InvalidArgumentError
-from ..spec import Problem, Tunable
+from ..core.errors import InvalidArgumentError
+from ..core.spec import Problem, Tunable
 
 # Block sizes are tunables with platform defaults. Interpret mode on a CPU pays per grid step,
 # so larger blocks are faster there; GPUs (Triton) want powers of two; TPUs want multiples of

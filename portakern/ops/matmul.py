@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ShapeError
-from ..sampling import EDGE_SIZES, Case, Chooser, batch_pair, finite_cast
-from ..spec import (
+from ..core.errors import ShapeError
+from ..core.sampling import EDGE_SIZES, Case, Chooser, batch_pair, finite_cast
+from ..core.spec import (
     MAX_INDEX,
     ArrayMeta,
     Buf,
@@ -60,7 +60,7 @@ def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
         raise ShapeError(f"matmul: batch dims {a.shape[:-2]} and {b.shape[:-2]} do not "
                          "broadcast; expected equal dims or 1 at each position.") from None
     out = batch + (M, N)
-    from ..dtypes import dtype_name
+    from ..core.dtypes import dtype_name
 
     return Problem("matmul", dtype_name(a.dtype), {"a": a.shape, "b": b.shape}, params, out,
                    derived={"M": M, "N": N, "K": K, "batch": batch},
@@ -171,7 +171,7 @@ STAT_CHUNK = 1 << 20  # float64 products materialised at once (8 MiB)
 
 
 def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
-    from ..statmodel import StatModel
+    from ..core.statmodel import StatModel
 
     K = p.derived["K"]
     u = float(np.finfo(p.info.compute).eps) / 2

@@ -1,7 +1,7 @@
 """rmsnorm(x, weight, eps=1e-6): y = x / sqrt(mean(x^2, last axis) + eps) * weight, fused.
 
-The fourth op, written only with the public spec API (portakern.spec, portakern.cases,
-portakern.dtypes, portakern.register_op) exactly as a user would write their own: nothing in
+The fourth op, written only with the public spec API (portakern.core.spec, portakern.tools.cases,
+portakern.core.dtypes, portakern.register_op) exactly as a user would write their own: nothing in
 the backends, tests or CLI names it. ``weight`` has shape (N,) with N = x.shape[-1] and x's
 dtype (mixed dtypes are refused, as everywhere); float16/bfloat16 accumulate in float32.
 
@@ -51,20 +51,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import InvalidArgumentError, ShapeError
-from ..sampling import Case, Chooser
-from ..spec import (
-    ArrayMeta,
-    Buf,
-    Cost,
-    KernelSpec,
-    Launch,
-    Operand,
-    Problem,
-    Scalar,
-    Tunable,
-)
+from ..core import dtypes
+from ..core.errors import InvalidArgumentError, ShapeError
+from ..core.sampling import Case, Chooser
+from ..core.spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
 
 # Blue's scaling constants per compute type (exact powers of two; see rmsnorm.c). big^2 * 2^31
 # and (max * down)^2 * 2^31 both stay below the type's largest finite value, and
@@ -172,7 +162,7 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
       with n: 0.5 (6 u ms + sigma) / q + 16 u relative, and the absolute floor.
 
     A row shares its sum, so its elements form one group."""
-    from ..statmodel import StatModel
+    from ..core.statmodel import StatModel
 
     xv, w = x["x"], x["weight"]
     n, eps = p.derived["n"], p.params["eps"]

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import dtype_name
-from ..errors import InvalidArgumentError
-from ..sampling import Case, Chooser, normal
-from ..spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
+from ..core.dtypes import dtype_name
+from ..core.errors import InvalidArgumentError
+from ..core.sampling import Case, Chooser, normal
+from ..core.spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Operand, Problem, Scalar, Tunable
 from ._common import kernel_source, need_rank
 
 # "no value yet" for the vector path: below every finite value of the compute type
@@ -116,7 +116,7 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
           slack_i = |y_i| u (2 |x_i - m| + 2 sum_j y_j |x_j - m| + 2 EXP_ERR + 4) + floor.
 
     A row shares S, so its elements form one group (their errors may be correlated)."""
-    from ..statmodel import StatModel
+    from ..core.statmodel import StatModel
 
     xv = x["x"]
     ax = p.params["axis"]

@@ -1,0 +1,145 @@
+"""`portakern bench` and `portakern report`: argument parsing only; the work is elsewhere."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from .suites import SIZES
+
+
+def _csv(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    return items or None
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .peers import PEER_KEYS
+    from .plots import plot_run
+    from .report import run_markdown
+    from .runner import BenchConfig, run_bench, with_timing_overrides
+    from .suites import TIMING
+
+    backends: list[str] = []
+    for b in args.backends or []:
+        backends.extend(_csv(b) or ())
+    peers = _csv(args.peers)
+    if peers and peers != ("all",):
+        bad = [p for p in peers if p not in PEER_KEYS]
+        if bad:
+            print(f"portakern bench: unknown peer(s) {bad}; expected some of "
+                  f"{', '.join(PEER_KEYS)} (or 'all').", file=sys.stderr)
+            return 2
+    else:
+        peers = None
+    if peers == ():
+        peers = None
+    out = args.out or str(Path("benchmarks") / "results" / f"{socket.gethostname()}.json")
+    plots_dir = None if args.no_plots else (args.plots or str(Path(out).with_suffix("")) + "-plots")
+    try:
+        timing = with_timing_overrides(TIMING[args.suite], min_time=args.min_time,
+                                       min_reps=args.min_reps, max_reps=args.max_reps,
+                                       budget_s=args.budget)
+    except ValueError as exc:
+        print(f"portakern bench: {exc}", file=sys.stderr)
+        return 2
+    cfg = BenchConfig(suite=args.suite, ops=_csv(args.ops), targets=tuple(backends) or None,
+                      dtypes=_csv(args.dtypes), peers=peers, limit=args.limit, out=out,
+                      plots=plots_dir, probes=not args.no_probes, unfused=not args.no_unfused,
+                      timing=timing, dispatch=args.dispatch)
+    from ...core.errors import PortakernError
+
+    try:
+        result = run_bench(cfg)
+    except (ValueError, LookupError, PortakernError) as exc:
+        print(f"portakern bench: {exc}", file=sys.stderr)
+        return 2
+    md = run_markdown(result)
+    Path(out).with_suffix(".md").write_text(md)
+    if plots_dir and result.get("cases"):
+        files = plot_run(result, plots_dir)
+        print(f"plots: {', '.join(str(f) for f in files)}", file=sys.stderr)
+    print(md)
+    print(f"results: {out} (+ {Path(out).with_suffix('.md')})", file=sys.stderr)
+    if result.get("interrupted"):
+        return 130
+    return 0 if result.get("targets") else 1
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    try:
+        path = write_report(args.files, args.out, plots=not args.no_plots)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"portakern report: {exc}", file=sys.stderr)
+        return 2
+    print(path.read_text())
+    print(f"report: {path}", file=sys.stderr)
+    return 0
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Register `portakern bench` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "bench", help="our kernels vs each device's native library, with the roofline",
+        description="Time each op x size x dtype on every target beside the best native peer "
+                    "on the same device (numpy/BLAS, XLA, CLBlast, cuBLAS, cuDNN), the unfused "
+                    "chain (attention) and the roofline from portakern's own probes. "
+                    "Ctrl-C stops and writes what was measured. See docs/bench.md.")
+    p.add_argument("--ops", default=None,
+                   help="comma-separated ops (default: every registered op, plugins and ops "
+                        "registered by user code included)")
+    p.add_argument("--suite", choices=sorted(SIZES), default="quick",
+                   help="quick: a few sizes, fp32, < 5 min on a 2-core CPU; full: size and "
+                        "dtype sweeps for GPUs")
+    p.add_argument("--backends", action="append", default=None,
+                   help="targets, comma-separated or repeated (e.g. opencl:0,jax); default: "
+                        "every available target except numpy")
+    p.add_argument("--dtypes", default=None,
+                   help="comma-separated dtypes (default: quick float32; full float32,"
+                        "float16,bfloat16)")
+    p.add_argument("--peers", default=None,
+                   help="comma-separated peers to run (numpy, xla, clblast, cublas, cupy, "
+                        "cudnn; default all that apply)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="only the first N (smallest) sizes of each op")
+    p.add_argument("--out", default=None,
+                   help="result JSON (default benchmarks/results/<hostname>.json; a .md table "
+                        "is written beside it)")
+    p.add_argument("--plots", default=None, help="directory for PNG plots (default: beside --out)")
+    p.add_argument("--no-plots", action="store_true", help="write no plots")
+    p.add_argument("--min-time", type=float, default=None,
+                   help="seconds of samples per measurement (suite default 0.2 / 0.5)")
+    p.add_argument("--min-reps", type=int, default=None, help="samples per measurement at least")
+    p.add_argument("--max-reps", type=int, default=None, help="samples per measurement at most")
+    p.add_argument("--budget", type=float, default=None,
+                   help="time box in seconds for one measurement, first call included "
+                        "(suite default 25 / 60)")
+    p.add_argument("--no-probes", action="store_true", help="skip the roofline probes")
+    p.add_argument("--no-unfused", action="store_true", help="skip attention's unfused chain")
+    p.add_argument("--dispatch", dest="dispatch", action="store_true", default=None,
+                   help="measure the dispatch overhead (pk.call vs a raw enqueue of the same "
+                        "kernel on a tiny softmax; default: in the quick suite)")
+    p.add_argument("--no-dispatch", dest="dispatch", action="store_false",
+                   help="skip the dispatch-overhead measurement")
+    p.set_defaults(fn=_bench)
+    return p
+
+
+def add_report_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Register `portakern report` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "report", help="merge bench result files from several machines into REPORT.md",
+        description="Merge `portakern bench` result files (one per machine) into one report: "
+                    "per op and size, each platform's efficiency and the performance "
+                    "portability across platforms, plus plots.")
+    p.add_argument("files", nargs="+", help="result JSON files (e.g. benchmarks/results/*.json)")
+    p.add_argument("--out", default="benchmarks", help="directory for REPORT.md and plots/")
+    p.add_argument("--no-plots", action="store_true", help="write no plots")
+    p.set_defaults(fn=_report)
+    return p

@@ -1,0 +1,656 @@
+"""`portakern bench`: every case on every target, beside its native peers, against the roof.
+
+Honesty rules this module enforces (docs/bench.md lists them for readers):
+
+- what is timed is exactly what the record's ``what`` says; inputs are uploaded with the
+  backend's ``to_native`` before timing, so host copies are never timed;
+- compilation is done (and timed) before the first call; the first call is timed on its own;
+  neither is mixed into the samples;
+- every sample ends with the device synchronised (``backend.synchronize()``, or
+  ``block_until_ready`` on a jax result);
+- our kernel and its peers run in the same process run, one right after the other, so their
+  ratio is not a comparison of two different days on a noisy machine (numpy runs in a child
+  process, at the same time slot, for the reason in numpy_worker.py);
+- a case that cannot run is recorded as such, with the reason; it is never left out;
+- Ctrl-C stops the run and still writes everything measured so far (``interrupted: true``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from ... import backends as registry
+from ...api import call
+from ...backends.base import Backend, KernelBackend
+from ...core.errors import PortakernError
+from ...ops import get_op
+from ...runtime import configs, selection
+from . import environment, metrics
+from .dispatch import DispatchConfig, entries_of, measure_dispatch
+from .interrupt import LATCH
+from .peers import NUMPY_PEER, PEER_NAMES, Peers, missing_promised, own_jax_device, peer_name
+from .probes import Roofline, combine, lift, probe_jax, probe_kernel_backend
+from .report import HOST_COLUMNS, fmt_time
+from .suites import TIMING, BenchCase, make_inputs, metadata_inputs, operand_names, suite_cases
+from .timing import Measurement, TimingConfig, measure, not_run
+
+SCHEMA = "portakern-bench/1"
+
+
+@dataclass
+class BenchConfig:
+    """Everything `portakern bench` was asked to do (recorded in the result file)."""
+
+    suite: str = "quick"
+    ops: tuple[str, ...] | None = None
+    targets: tuple[str, ...] | None = None
+    dtypes: tuple[str, ...] | None = None
+    peers: tuple[str, ...] | None = None
+    limit: int | None = None
+    out: str = "results.json"
+    plots: str | None = None
+    probes: bool = True
+    unfused: bool = True
+    timing: TimingConfig | None = None
+    dispatch: bool | None = None  # None: measured in the quick suite only
+    dispatch_config: DispatchConfig | None = None
+    progress: TextIO = field(default=sys.stderr, repr=False)
+
+    def effective_timing(self) -> TimingConfig:
+        return self.timing or TIMING[self.suite]
+
+    def dispatch_enabled(self) -> bool:
+        """The dispatch-overhead measurement runs in ``quick`` unless switched off (it is a
+        property of the library, not of a size, so one suite carries it)."""
+        return self.suite == "quick" if self.dispatch is None else self.dispatch
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"suite": self.suite, "ops": self.ops, "targets": self.targets,
+                "dtypes": self.dtypes, "peers": self.peers, "limit": self.limit,
+                "out": self.out, "plots": self.plots, "probes": self.probes,
+                "unfused": self.unfused, "timing": self.effective_timing().as_dict(),
+                "dispatch": self.dispatch_enabled(),
+                "dispatch_config": (self.dispatch_config or DispatchConfig()).as_dict()}
+
+
+# --- progress ---------------------------------------------------------------------------------
+
+
+class Progress:
+    """One line per measurement on stderr: what is running now, then how it went."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def line(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def start(self, text: str) -> None:
+        print(text, end="", file=self.stream, flush=True)
+
+    def done(self, m: Measurement) -> None:
+        st = m.stats
+        if m.ok and st is not None:
+            spread = f"±{100 * st.iqr / 2 / st.median:.0f}%" if st.median else ""
+            extra = f", first call {fmt_time(m.first_call_s)}" if m.first_call_s else ""
+            self.line(f" {fmt_time(st.median)} (IQR {spread}, {st.n} reps{extra})")
+        else:
+            self.line(f" {m.status}: {m.reason[:160]}")
+
+
+# --- targets ----------------------------------------------------------------------------------
+def _is_oracle(name: str) -> bool:
+    """Whether backend ``name`` is the float64 oracle (``Backend.oracle``: numpy), which the
+    benchmark measures as a peer, never as a target."""
+    got = registry.load(name)
+    return isinstance(got, type) and got.oracle
+
+
+def default_targets() -> tuple[list[str], dict[str, str]]:
+    """Every available backend target except the oracle (a peer, not a kernel)."""
+    return registry.available_targets(
+        exclude=tuple(n for n in registry.names() if _is_oracle(n)))
+
+
+def open_targets(wanted: tuple[str, ...] | None) -> tuple[list[Backend], dict[str, str]]:
+    if wanted:
+        sels, skipped = list(wanted), {}
+    else:
+        sels, skipped = default_targets()
+    out: list[Backend] = []
+    for sel in sels:
+        name = selection.parse(sel, "--backends")[0]
+        if _is_oracle(name):
+            raise ValueError(f"--backends {name}: {name} is the float64 oracle and a peer (the "
+                             "numpy/BLAS column), not a portable kernel; expected opencl, cuda, "
+                             "jax or a plugin backend.")
+        try:
+            be = selection.get(sel, "--backends")
+        except Exception as exc:
+            if wanted:
+                raise
+            skipped[sel] = f"{type(exc).__name__}: {exc}"
+            continue
+        if all(b.label != be.label for b in out):
+            out.append(be)
+    return out, skipped
+
+
+def hardware_key(be: Backend) -> str:
+    """Targets with the same key run on the same hardware and share one roof."""
+    return "cpu" if be.device.kind == "cpu" else f"{be.device.kind}:{be.device.name.strip()}"
+
+
+def platform_id(be: Backend, hostname: str) -> str:
+    """A platform of the PP set: a backend target on one device of one machine."""
+    return f"{be.label} · {be.device.name} @ {hostname}"
+
+
+def run_probes(be: Backend, compute_dtypes: list[str]) -> Roofline:
+    try:
+        if isinstance(be, KernelBackend):
+            return probe_kernel_backend(be, compute_dtypes)
+        dev = own_jax_device(be)
+        if dev is not None:  # the jax backend: probed with jax on its own device
+            return probe_jax(dev, be.device_class, compute_dtypes)
+        return Roofline(status="unavailable",
+                        reason=f"no probe for {be.name}: it neither compiles portakern C "
+                               "kernels nor computes on a jax device of its own")
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        return Roofline(status="error", reason=f"{type(exc).__name__}: {str(exc)[:500]}")
+
+
+# --- one case on one target ---------------------------------------------------------------------
+def _sync_with(be: Backend, holder: dict[str, Any]) -> Any:
+    def sync() -> None:
+        be.synchronize()
+        r = holder.get("r")
+        block = getattr(r, "block_until_ready", None)
+        if block is not None:  # jax arrays: wait for this result, whatever synchronize() does
+            block()
+    return sync
+
+
+def measure_ours(be: Backend, case: BenchCase, native: Mapping[str, Any], timing: TimingConfig
+                 ) -> Measurement:
+    spec = get_op(case.op)
+    what = (f"portakern.call({case.op!r}) on device-resident inputs: validation, launch, "
+            "output allocation and kernel, synchronised")
+    args = [native.get(n) for n in operand_names(case.op)]  # None: absent optional operand
+    compile_s, kcfg, cached = None, None, False
+    if isinstance(be, KernelBackend):
+        prob = spec.problem(*spec.bind(args, dict(case.params)))
+        kcfg = configs.config_for(be, spec, prob, None)
+        known = len(getattr(be, "_kernels", None) or {})
+        t0 = time.perf_counter()
+        be.kernels_for(spec, prob, kcfg)  # compile (or load from the driver's cache) untimed
+        compile_s = time.perf_counter() - t0
+        cached = len(getattr(be, "_kernels", None) or {}) == known
+    holder: dict[str, Any] = {}
+
+    def fn() -> None:
+        holder["r"] = call(case.op, *args, backend=be, **case.params)
+
+    m = measure(fn, _sync_with(be, holder), timing, what=what)
+    holder.clear()
+    if compile_s is not None:
+        m.info["compile_s"] = compile_s
+        m.info["compile_cached"] = cached  # True: this program was built by an earlier case
+        m.info["config"] = kcfg
+    return m
+
+
+def measure_unfused(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray],
+                    timing: TimingConfig) -> Measurement:
+    """Attention as matmul -> softmax -> matmul through portakern on the same backend."""
+    what = ("portakern matmul(q*scale, k^T) -> softmax -> matmul(p, v) on the same backend "
+            "(q pre-scaled and k pre-transposed outside the timed region; GQA by reshape)")
+    if case.params.get("causal") or case.params.get("mask") is not None:
+        return not_run("unsupported", "the unfused chain has no masked softmax op in portakern; "
+                       "only non-causal, unmasked cases have one", what)
+    s = case.size
+    B, Hq, Hkv, Sq, D = s["B"], s["Hq"], s["Hkv"], s["Sq"], s["D"]
+    g = Hq // Hkv
+    scale = float(case.params.get("scale") or 1.0 / math.sqrt(D))
+    st = host["q"].dtype
+    qs = (host["q"].astype(np.float32) * np.float32(scale)).astype(st).reshape(B, Hkv, g * Sq, D)
+    kt = np.ascontiguousarray(np.swapaxes(host["k"], -1, -2))
+    nq, nkt, nv = be.to_native(qs), be.to_native(kt), be.to_native(host["v"])
+    holder: dict[str, Any] = {}
+
+    def fn() -> None:
+        sc = call("matmul", nq, nkt, backend=be)
+        p = call("softmax", sc, backend=be)
+        holder["r"] = call("matmul", p, nv, backend=be).reshape(B, Hq, Sq, s["Dv"])
+
+    m = measure(fn, _sync_with(be, holder), timing, what=what)
+    holder.clear()
+    return m
+
+
+def attention_memory(be: Backend, case: BenchCase) -> dict[str, Any]:
+    """Extra device memory beyond inputs and output, computed from sizes (not measured)."""
+    from ...core import dtypes
+
+    s = case.size
+    info = dtypes.info(case.dtype)
+    isz, esz = info.storage.itemsize, info.compute.itemsize
+    B, Hq, Hkv, Sq, Sk, D, Dv = (s[k] for k in ("B", "Hq", "Hkv", "Sq", "Sk", "D", "Dv"))
+    scores = B * Hq * Sq * Sk * isz
+    layout = B * Hq * Sq * D * isz + B * Hkv * Sk * D * isz
+    out: dict[str, Any] = {
+        "method": "computed from sizes, not measured",
+        "unfused": {"scores_bytes": scores, "probabilities_bytes": scores,
+                    "layout_copies_bytes": layout, "extra_bytes": 2 * scores + layout,
+                    "note": "Sq*Sk score and probability matrices in the storage dtype, plus "
+                            "the pre-scaled q and transposed k the chain is given"}}
+    if isinstance(be, KernelBackend):
+        spec = get_op("attention")
+        prob = spec.problem(*spec.bind(metadata_inputs(case), dict(case.params)))
+        cfg = configs.config_for(be, spec, prob, None)
+        d = spec.defines(prob, cfg)
+        ws = spec.workspace(prob, cfg) if spec.workspace is not None else {}
+        scratch = sum(int(n) * dtypes.info(dt).storage.itemsize for n, dt in ws.values())
+        if "BQ" in d and "BK" in d:
+            packed = bool(d.get("PACK_KV"))
+            local = 0 if packed else d["BK"] * (D + Dv) * esz
+            private = (D + Dv + d["BK"]) * esz * d.get("TQ", 1)
+            per_group = local + d["BQ"] * private
+            groups = B * Hq * -(-Sq // (d["BQ"] * d.get("TQ", 1)))
+            out["fused"] = {"extra_bytes": scratch,
+                            "workspace_bytes": {k: int(n) * dtypes.info(dt).storage.itemsize
+                                                for k, (n, dt) in ws.items()},
+                            "local_bytes_per_group": local,
+                            "private_bytes_per_item": private,
+                            "on_chip_bytes_per_group": per_group, "groups": groups,
+                            "BQ": d["BQ"], "BK": d["BK"], "TQ": d.get("TQ", 1),
+                            "note": ("K transposed and V copied once into padded workspaces "
+                                     "(PACK_KV, O(Sk) in size), tiles read from them in place; "
+                                     if packed else "no global scratch; K/V tiles in local "
+                                     "memory; ") + "the q rows, accumulators and score tile "
+                                    "per work-item (private): O(1) in Sq*Sk"}
+        else:
+            out["fused"] = {"extra_bytes": scratch, "note": "attention.c defines changed; the "
+                            "on-chip working set could not be derived"}
+    else:
+        out["fused"] = {"extra_bytes": None, "note": f"{be.name} lowers attention through its "
+                        "own library; its working set is that library's choice, not computed"}
+    return out
+
+
+def make_inputs_meta(case: BenchCase) -> list[Any]:
+    """Shape/dtype stand-ins of a case's operands (see suites.metadata_inputs)."""
+    return metadata_inputs(case)
+
+
+def derive(rec: dict[str, Any], roof: Roofline) -> None:
+    """Efficiency, achieved rates and % of roofline of every measured implementation."""
+    flops, nbytes = rec["cost"]["flops"], rec["cost"]["bytes"]
+    compute = rec.get("compute_dtype") or rec.get("dtype") or "float32"
+    peak = roof.peak_for(compute, rec.get("dtype")) if roof.status == "ok" else None
+    bw = roof.copy_gbs if roof.status == "ok" else None
+    if flops is None or nbytes is None:  # the op refused the case: no cost model to rate
+        peak = bw = None
+        rec["roofline"] = {"status": "unavailable", "reason": "the op's validate refused this "
+                           "case, so it has no cost"}
+    elif peak and bw:
+        rec["roofline"] = {
+            "peak_gflops": peak, "bw_gbs": bw,
+            "bound_gflops": metrics.roofline_gflops(peak, bw, metrics.intensity(flops, nbytes)),
+            "bound_s": metrics.roofline_time(flops, nbytes, peak, bw),
+            "bound": metrics.bound_kind(flops, nbytes, peak, bw)}
+    else:
+        rec["roofline"] = {"status": roof.status, "reason": roof.reason or "probe missing "
+                           f"for {rec['compute_dtype']}"}
+    impls: dict[str, dict[str, Any]] = {"ours": rec["ours"]}
+    if rec.get("unfused"):
+        impls["unfused"] = rec["unfused"]
+    impls.update(rec["peers"])
+    ach: dict[str, Any] = {}
+    for k, m in impls.items():
+        t = m.get("median_s")
+        if m.get("status") != "ok" or not t or flops is None:
+            continue
+        gf, gb = metrics.achieved(t, flops, nbytes)
+        ach[k] = {"gflops": gf, "gbs": gb}
+        if peak and bw:
+            ach[k]["pct_roofline"] = metrics.pct_of_roofline(t, flops, nbytes, peak, bw)
+    rec["achieved"] = ach
+    peer_times = {k: (m.get("median_s") if m.get("status") == "ok" else None)
+                  for k, m in rec["peers"].items()}
+    bp = metrics.best_peer(peer_times)
+    ours_t = rec["ours"].get("median_s") if rec["ours"].get("status") == "ok" else None
+    rec["efficiencies"] = {k: metrics.efficiency(t, ours_t) for k, t in peer_times.items()}
+    rec["best_peer"] = bp[0] if bp else None
+    rec["efficiency"] = metrics.efficiency(bp[1], ours_t) if bp else None
+    # cannot run here (unsupported dtype, kernel error, interrupted): PP counts it as 0
+    rec["supported"] = rec["ours"].get("status") == "ok"
+
+
+def run_case(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None], peers: Peers,
+             cfg: BenchConfig, roof: Roofline, platform: str, progress: Progress
+             ) -> dict[str, Any]:
+    from ...core import dtypes
+
+    spec = get_op(case.op)
+    timing = cfg.effective_timing()
+    names = operand_names(case.op)
+    refused = ""
+    try:
+        prob = spec.problem(*spec.bind([host[n] for n in names], dict(case.params)))
+        cost = spec.cost(prob)
+        cost_rec = {"flops": cost.flops, "bytes": cost.bytes,
+                    "intensity": metrics.intensity(cost.flops, cost.bytes)}
+    except PortakernError as exc:  # e.g. a user op that does not take this dtype
+        refused = f"{type(exc).__name__}: {exc}"
+        cost_rec = {"flops": None, "bytes": None, "intensity": None}
+    rec: dict[str, Any] = {
+        "id": case.id, "op": case.op, "dtype": case.dtype, "label": case.label,
+        "size": case.size, "params": case.params,
+        "compute_dtype": dtypes.info(case.dtype).compute.name,
+        "shapes": {n: list(x.shape) for n, x in host.items() if x is not None},
+        "cost": cost_rec,
+        "target": be.label, "backend": be.name, "device": be.device.name, "platform": platform,
+        "peers": {}, "unfused": None if case.op == "attention" else not_run(
+            "not_applicable", "the unfused chain is attention's (matmul -> softmax -> matmul "
+            f"through portakern); {case.op} is a single kernel with no unfused form here"
+        ).as_dict(), "loadavg_1m": _loadavg(),
+    }
+    if refused:
+        rec["ours"] = not_run("unsupported", f"{case.op} refuses this case: {refused}").as_dict()
+        derive(rec, roof)
+        progress.line(f"        ours: unsupported ({refused[:120]})")
+        return rec
+    if case.dtype not in be.supported_dtypes():
+        rec["ours"] = not_run("unsupported", f"{be.describe()} does not support {case.dtype} "
+                              f"(it supports {', '.join(be.supported_dtypes())})").as_dict()
+        derive(rec, roof)
+        progress.line(f"        ours: unsupported ({case.dtype} on {be.label})")
+        return rec
+    try:
+        native = {n: be.to_native(x) for n, x in host.items() if x is not None}
+    except Exception as exc:
+        rec["ours"] = not_run("error", f"uploading inputs failed: {type(exc).__name__}: "
+                              f"{exc}").as_dict()
+        derive(rec, roof)
+        return rec
+    try:
+        progress.start("        ours (portakern)        ")
+        try:
+            m = measure_ours(be, case, native, timing)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            m = not_run("error", f"{type(exc).__name__}: {str(exc)[:800]}")
+        progress.done(m)
+        rec["ours"] = m.as_dict()
+        LATCH.check()
+        if case.op == "attention":
+            rec["memory"] = attention_memory(be, case)
+            if cfg.unfused and m.ok:
+                progress.start("        unfused chain (portakern) ")
+                try:
+                    mu = measure_unfused(be, case, host, timing)
+                except KeyboardInterrupt:
+                    raise
+                except Exception as exc:
+                    mu = not_run("error", f"{type(exc).__name__}: {str(exc)[:800]}")
+                progress.done(mu)
+                rec["unfused"] = mu.as_dict()
+                gc.collect()
+                LATCH.check()
+        if m.ok:
+            for key in peers.keys(case.op, be):
+                name = peer_name(key, case.op)
+                progress.start(f"        {name:<24s}")
+                mp = peers.run(key, be, case, host, native, timing)
+                progress.done(mp)
+                d = mp.as_dict()
+                d["name"] = name
+                if (key == NUMPY_PEER and mp.info.get("blas")
+                        and name == PEER_NAMES[NUMPY_PEER]):
+                    d["name"] = f"numpy/{mp.info['blas']}"
+                rec["peers"][key] = d
+                gc.collect()
+                LATCH.check()
+    except KeyboardInterrupt as exc:
+        part = getattr(exc, "partial", None)
+        if "ours" not in rec:
+            rec["ours"] = (part.as_dict() if part is not None else
+                           not_run("interrupted", "Ctrl-C during this measurement").as_dict())
+        rec["interrupted"] = True
+        derive(rec, roof)
+        exc.record = rec  # type: ignore[attr-defined]
+        raise
+    finally:
+        native = {}
+    derive(rec, lift(roof, rec))  # this case's own rates are lower bounds on the peak too
+    eff = rec.get("efficiency")
+    pct = rec["achieved"].get("ours", {}).get("pct_roofline")
+    bits = []
+    if eff is not None:
+        bits.append(f"efficiency {eff:.3g} vs {rec['peers'][rec['best_peer']]['name']}")
+    if pct is not None:
+        bits.append(f"{pct:.3g}% of roofline")
+    if bits:
+        progress.line("        → " + ", ".join(bits))
+    return rec
+
+
+def _loadavg() -> float | None:
+    """1-minute load average: other processes on the device make absolute times unreliable."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+# --- the run ------------------------------------------------------------------------------------
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, np.generic):
+        return _finite(x.item())
+    return x
+
+
+def write_json(result: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Atomic write (a reader never sees half a file), strict JSON (no NaN/Infinity)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(_finite(result), indent=1, default=str, allow_nan=False) + "\n")
+    tmp.replace(p)
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Run the benchmark described by ``cfg``; write and return the result record.
+
+    Ctrl-C stops it at once and the record measured so far is written; an interrupt swallowed
+    by a gc callback or ``__del__`` is caught by the latch (bench/interrupt.py) at the next
+    measurement boundary."""
+    with LATCH.installed():
+        return _run_bench(cfg)
+
+
+def _run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    progress = Progress(cfg.progress)
+    t_start = time.perf_counter()
+    prev_tf32 = os.environ.get("CUPY_TF32")
+    os.environ["CUPY_TF32"] = "0"  # cuBLAS fp32 GEMM must be fp32, not TF32
+    ops_skipped: dict[str, str] = {}
+    cases = suite_cases(cfg.suite, cfg.ops, cfg.dtypes, cfg.limit, skipped=ops_skipped)
+    targets, skipped = open_targets(cfg.targets)
+    env = environment.collect()
+    env["CUPY_TF32_before_bench"] = prev_tf32
+    env["loadavg_1m_at_start"] = _loadavg()
+    result: dict[str, Any] = {"schema": SCHEMA, "config": cfg.as_dict(), "environment": env,
+                              "targets": {}, "targets_unavailable": skipped,
+                              "ops_without_sizes": ops_skipped, "dispatch": {},
+                              "cases": [], "interrupted": False, "complete": False}
+    if not targets:
+        progress.line("portakern bench: no target can run here: "
+                      + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    peers = Peers(cfg.peers)
+    missing = missing_promised(targets, peers.wanted)
+    result["peers_missing"] = missing
+    hostname = env["hostname"]
+    compute = sorted({"float32"} | ({"float64"} if any(c.dtype == "float64" for c in cases)
+                                    else set()))
+    progress.line(f"portakern bench: suite {cfg.suite}, {len(cases)} cases x {len(targets)} "
+                  f"target(s) ({', '.join(b.label for b in targets) or 'none'}) -> {cfg.out}")
+    for key, why in missing.items():
+        progress.line(f"WARNING: promised peer {key} is missing: {why}")
+    for name, why in skipped.items():
+        progress.line(f"  skipped {name}: {why}")
+    for name, why in ops_skipped.items():
+        progress.line(f"  skipped op {name}: {why}")
+    roofs: dict[str, Roofline] = {}
+    device_roof: dict[str, Roofline] = {}  # hardware key -> the roof used (see below)
+    n_done = 0
+    try:
+        for be in targets:
+            t0 = time.perf_counter()
+            progress.start(f"probing {be.describe()} ...")
+            roof = run_probes(be, compute) if cfg.probes else Roofline(
+                status="unavailable", reason="probes disabled (--no-probes)")
+            roofs[be.label] = roof
+            if roof.status == "ok":
+                peaks = ", ".join(f"{k} FMA {v:.4g} GFLOP/s" for k, v in roof.fma_gflops.items())
+                progress.line(f" copy {roof.copy_gbs:.4g} GB/s, {peaks} "
+                              f"[{time.perf_counter() - t0:.1f} s]")
+            else:
+                progress.line(f" {roof.status}: {roof.reason}")
+            result["targets"][be.label] = {
+                "backend": be.name, "device": be.device.as_dict(),
+                "platform": platform_id(be, hostname), "roofline": roof.as_dict()}
+        groups: dict[str, list[str]] = {}
+        for be in targets:
+            groups.setdefault(hardware_key(be), []).append(be.label)
+        # the roof of a device: the best probe of the targets on it, then raised by every
+        # rate measured on it in this run (probes.lift), so no efficiency exceeds 100%
+        probed: dict[str, Roofline] = {}
+        for key, labels in groups.items():
+            probed[key] = combine({lab: roofs[lab] for lab in labels})
+        device_roof.update(probed)
+        for be in targets:
+            result["targets"][be.label]["roofline_probes"] = probed[hardware_key(be)].as_dict()
+            result["targets"][be.label]["roofline_effective"] = probed[
+                hardware_key(be)].as_dict()
+            result["targets"][be.label]["device_key"] = f"{hardware_key(be)} @ {hostname}"
+        if NUMPY_PEER in peers.wanted and any(b.device.kind == "cpu" for b in targets):
+            env["numpy_peer"] = peers.numpy_info()
+        write_json(result, cfg.out)
+        if cfg.dispatch_enabled():
+            run_dispatch(targets, cfg, result, progress)
+            write_json(result, cfg.out)
+        total = len(cases) * len(targets)
+        meter = environment.CpuMeter()
+        for case in cases:
+            host = make_inputs(case)
+            for be in targets:
+                n_done += 1
+                progress.line(f"[{n_done:>3}/{total}] {case.op} {case.dtype} {case.label} on "
+                              f"{be.label}")
+                snap = meter.snapshot(peers.pids())
+                hk = hardware_key(be)
+                try:
+                    rec = run_case(be, case, host, peers, cfg, device_roof[hk],
+                                   result["targets"][be.label]["platform"], progress)
+                    rec["contention"] = meter.since(snap, peers.pids())
+                    rec["device_key"] = result["targets"][be.label]["device_key"]
+                    device_roof[hk] = lift(device_roof[hk], rec)
+                    derive(rec, device_roof[hk])
+                except KeyboardInterrupt as exc:
+                    rec = getattr(exc, "record", None)
+                    if rec is not None:
+                        result["cases"].append(rec)
+                    raise
+                result["cases"].append(rec)
+                write_json(result, cfg.out)  # a crash later still leaves this case on disk
+            del host
+            gc.collect()
+            LATCH.check()
+        result["complete"] = True
+    except KeyboardInterrupt:
+        result["interrupted"] = True
+        progress.line("\ninterrupted: writing what was measured so far")
+    finally:
+        peers.close()
+        final_roofs(result, targets, device_roof)
+        if prev_tf32 is None:
+            os.environ.pop("CUPY_TF32", None)
+        else:
+            os.environ["CUPY_TF32"] = prev_tf32
+        result["wall_s"] = time.perf_counter() - t_start
+        env["loadavg_1m_at_end"] = _loadavg()
+        write_json(result, cfg.out)
+    return result
+
+
+def final_roofs(result: dict[str, Any], targets: list[Backend],
+                device_roof: Mapping[str, Roofline]) -> None:
+    """Re-rate every case against its device's final roof (the probes raised by every rate
+    measured on the device in the whole run): then no % of roofline exceeds 100."""
+    if not device_roof:
+        return
+    by_label = {be.label: hardware_key(be) for be in targets}
+    for be in targets:
+        roof = device_roof.get(by_label[be.label])
+        if roof is not None:
+            result["targets"][be.label]["roofline_effective"] = roof.as_dict()
+    for rec in result["cases"]:
+        roof = device_roof.get(by_label.get(rec.get("target"), ""))
+        if roof is not None and rec.get("ours") is not None:
+            derive(rec, roof)
+
+
+def run_dispatch(targets: list[Backend], cfg: BenchConfig, result: dict[str, Any],
+                 progress: Progress) -> None:
+    """The dispatch-overhead measurement (dispatch.py) on every target, into result."""
+    dcfg = cfg.dispatch_config or DispatchConfig()
+    for be in targets:
+        progress.line(f"dispatch overhead on {be.label} ({dcfg.shape_text}):")
+        try:
+            rec = measure_dispatch(be, dcfg)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            rec = {"status": "error", "reason": f"{type(exc).__name__}: {str(exc)[:800]}"}
+        result["dispatch"][be.label] = rec
+        for name, d in entries_of(rec).items():
+            if d.get("status") == "ok":
+                o = d["overhead_us"]
+                h = d.get("host")
+                hs = ("host " + ", ".join(f"{k} {h['overhead_us'][v]:+.3g}"
+                                          for v, k in HOST_COLUMNS.items()
+                                          if v in h["overhead_us"]) + " µs; " if h else "")
+                progress.line(f"    {name:<13s} {hs}wall +{o['call']:.3g} µs, out= "
+                              f"+{o['call_out']:.3g} µs over the raw enqueue "
+                              f"({d['per_call_us']['raw']['median']:.3g} µs; target "
+                              f"{d['target_us']:g} µs, judged on {d.get('judged_on', 'wall')})")
+            else:
+                progress.line(f"    {name:<13s} {d.get('status')}: "
+                              f"{str(d.get('reason', ''))[:160]}")
+
+
+def with_timing_overrides(base: TimingConfig, **kw: Any) -> TimingConfig:
+    """The suite's timing with CLI overrides (None = keep the suite's value)."""
+    return replace(base, **{k: v for k, v in kw.items() if v is not None})

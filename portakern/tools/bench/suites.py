@@ -1,0 +1,390 @@
+"""Benchmark cases and suites: which ops, sizes and dtypes, and how long each may take.
+
+``quick`` is sized for a 2-core CPU running PoCL (it must finish in under 5 minutes there):
+each op at three or four sizes, fp32, with the large attention case (~34 GFLOP) measured
+only a few times under the time box. ``full`` sweeps sizes and dtypes for GPUs; on a CPU it
+takes long and its biggest cases are cut by the same time box rather than skipped.
+
+Every registered op is benchmarked, the user's own included, without editing this file: the
+built-in ops have hand-picked sizes in ``SIZES``; any other op gets its cases from its spec
+(``spec_tools.example_inputs``: the spec's example in ``quick``, plus the example scaled up to
+about 2^24 and 2^26 elements in ``full``). Why from the spec: the op's author knows what a
+typical call looks like; the bench does not.
+
+Inputs are generated from the case alone (op, dtype, size, seed) and the spec's operand list
+(names, kinds), so the numpy peer, which runs in its own process, rebuilds exactly the arrays
+every other implementation gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...core import dtypes
+from ...core.errors import DTypeError, InvalidArgumentError, PortakernError
+from ...core.spec import MAX_INDEX, KernelSpec
+from .timing import TimingConfig
+
+# ops whose size record has a format of its own (M/N/K, rows/cols, B/H/S/D) and hand-picked
+# sizes below; every other op's size record is {operand: shape} taken from its spec
+BUILTIN_SIZE_OPS = ("matmul", "softmax", "attention")
+# ``full`` adds the spec's example scaled to about this many elements in its largest operand
+DERIVED_FULL_ELEMENTS = (1 << 24, 1 << 26)
+
+
+def all_ops() -> tuple[str, ...]:
+    """Every registered op, plugins included, in registration order (the default --ops).
+
+    A function, not a constant: an op registered after this module was imported (a user's
+    register_op, a test) must still be benchmarked.
+    """
+    from ...ops import OPS
+
+    return tuple(OPS)
+
+
+def operand_names(op: str) -> list[str]:
+    """The op's operands in call order: how every implementation is handed its inputs."""
+    from ...ops import get_op
+
+    return [o.name for o in get_op(op).operands]
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """One benchmark problem: op, dtype, a size record and the op's parameters."""
+
+    op: str
+    dtype: str
+    size: dict[str, Any]
+    params: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        return size_label(self.op, self.size, self.params)
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}/{self.dtype}/{self.label}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BenchCase:
+        return cls(op=d["op"], dtype=d["dtype"], size=dict(d["size"]),
+                   params=dict(d.get("params") or {}), seed=int(d.get("seed", 0)))
+
+
+def size_label(op: str, size: dict[str, Any], params: dict[str, Any]) -> str:
+    """A short, unique, human-readable name of a size (used as the case key in reports)."""
+    if op not in BUILTIN_SIZE_OPS:
+        return generic_label(op, size, params)
+    if op == "matmul":
+        M, N, K = size["M"], size["N"], size["K"]
+        lab = f"N={N}" if M == N == K else f"M={M} N={N} K={K}"
+        batch = size.get("batch") or []
+        return (f"B={'x'.join(map(str, batch))} " + lab) if batch else lab
+    if op == "softmax":
+        return f"{size['rows']}x{size['cols']}"
+    if op == "attention":
+        lab = f"B{size['B']} H{size['Hq']} S{size['Sq']}"
+        if size["Sk"] != size["Sq"]:
+            lab += f" Sk{size['Sk']}"
+        lab += f" D{size['D']}"
+        if size["Dv"] != size["D"]:
+            lab += f" Dv{size['Dv']}"
+        if size["Hkv"] != size["Hq"]:
+            lab += f" kv{size['Hkv']}"
+        if params.get("causal"):
+            lab += " causal"
+        return lab
+    return ",".join(f"{k}={v}" for k, v in sorted(size.items()))
+
+
+def generic_label(op: str, size: dict[str, Any], params: dict[str, Any]) -> str:
+    """``x=64x4096 weight=4096``: each present operand's shape, then the parameters that
+    differ from the spec's defaults (two cases of one op differ in one of those)."""
+    parts = []
+    for name, shp in size.items():
+        if shp is not None:
+            parts.append(f"{name}={'x'.join(map(str, shp)) if len(shp) else 'scalar'}")
+    try:
+        from ...ops import get_op
+
+        defaults = dict(get_op(op).params)
+    except PortakernError:  # an op no longer registered (a result file read later)
+        defaults = {}
+    for k, v in sorted(params.items()):
+        if k not in defaults or defaults[k] != v:
+            parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
+def shapes(case: BenchCase) -> dict[str, tuple[int, ...]]:
+    """Shapes of a case's present operands, in the op's operand order."""
+    s = case.size
+    if case.op not in BUILTIN_SIZE_OPS:
+        return {n: tuple(int(d) for d in s[n]) for n in operand_names(case.op)
+                if s.get(n) is not None}
+    if case.op == "matmul":
+        batch = tuple(s.get("batch") or ())
+        return {"a": batch + (s["M"], s["K"]), "b": batch + (s["K"], s["N"])}
+    if case.op == "softmax":
+        return {"x": (s["rows"], s["cols"])}
+    if case.op == "attention":
+        return {"q": (s["B"], s["Hq"], s["Sq"], s["D"]), "k": (s["B"], s["Hkv"], s["Sk"], s["D"]),
+                "v": (s["B"], s["Hkv"], s["Sk"], s["Dv"])}
+    raise InvalidArgumentError(f"bench: no input recipe for op {case.op!r}.")  # unreachable
+
+
+def make_inputs(case: BenchCase) -> dict[str, np.ndarray | None]:
+    """Deterministic host inputs of a case, one per operand of the spec in its order: float
+    operands standard normal rounded to the storage dtype, bool operands random masks (half
+    True), absent optional operands None."""
+    from ...ops import get_op
+
+    rng = np.random.default_rng(case.seed)
+    st = dtypes.info(case.dtype).storage
+    shp = shapes(case)
+    out: dict[str, np.ndarray | None] = {}
+    for o in get_op(case.op).operands:
+        s = shp.get(o.name)
+        if s is None:
+            out[o.name] = None
+        elif o.kind == "bool":
+            out[o.name] = rng.random(s) < 0.5
+        else:
+            x = rng.standard_normal(s, dtype=np.float32)
+            out[o.name] = x if st == np.float32 else x.astype(st)
+    return out
+
+
+# --- sizes of ops that the table below does not know: from the spec ----------------------
+def _example_shapes(spec: KernelSpec) -> tuple[dict[str, tuple[int, ...] | None],
+                                               dict[str, Any]]:
+    """Operand shapes and parameters of the spec's example (the first dtype it accepts)."""
+    from ...core.spec_checks import example_inputs
+
+    last: Exception | None = None
+    for dt in ("float32",) + tuple(d for d in dtypes.FLOAT_DTYPES if d != "float32"):
+        try:
+            got = example_inputs(spec, dt)
+        except DTypeError as exc:
+            last = exc
+            continue
+        if got is None:
+            break
+        arrays, params = got
+        return ({o.name: (None if arrays.get(o.name) is None else
+                          tuple(int(d) for d in arrays[o.name].shape))
+                 for o in spec.operands}, dict(params))
+    raise InvalidArgumentError(
+        f"bench: op {spec.name!r} has no sizes: it is not in the built-in size table and its "
+        "spec gives neither `example` nor `shapes`"
+        + (f" ({type(last).__name__}: {last})" if last else "")
+        + ". Fix: give the KernelSpec an example(dtype) or a shapes= family.")
+
+
+def _size_names(spec: KernelSpec, base: Mapping[str, tuple[int, ...] | None]
+                ) -> dict[str, tuple[str | int, ...]]:
+    """Each operand's dims as size names: the spec's ``shapes`` family, else the example's
+    dims tied by value (equal sizes are one name, size 1 stays a fixed 1)."""
+    from ...core.spec_checks import shape_family
+
+    family = shape_family(spec)
+    if family is not None:
+        return {n: family[n] for n, s in base.items() if s is not None and n in family}
+    return {n: tuple(1 if d == 1 else f"d{d}" for d in s) for n, s in base.items()
+            if s is not None}
+
+
+def _numel(shp: tuple[int, ...]) -> int:
+    n = 1
+    for d in shp:
+        n *= int(d)
+    return n
+
+
+def _scaled(spec: KernelSpec, base: Mapping[str, tuple[int, ...] | None], target: int
+            ) -> dict[str, tuple[int, ...] | None] | None:
+    """The example with one size name doubled until the largest operand has >= ``target``
+    elements: the outermost non-last dim of the largest operand (rows, batch), else its last
+    dim. None when the example is already that large or no size name can grow."""
+    names = _size_names(spec, base)
+    if not names:
+        return None
+    big = max(names, key=lambda n: _numel(base[n] or ()))
+    if _numel(base[big] or ()) >= target:
+        return None
+    last = {dims[-1] for dims in names.values() if dims and isinstance(dims[-1], str)}
+    dims = names[big]
+    pick = next((d for d in dims if isinstance(d, str) and d not in last), None)
+    pick = pick or next((d for d in reversed(dims) if isinstance(d, str)), None)
+    if pick is None:
+        return None
+    value = {d: s for n in names for d, s in zip(names[n], base[n] or (), strict=True)
+             if isinstance(d, str)}
+
+    def with_value(v: int) -> dict[str, tuple[int, ...] | None]:
+        out: dict[str, tuple[int, ...] | None] = dict(base)
+        for n, ds in names.items():
+            out[n] = tuple(v if d == pick else (d if isinstance(d, int) else value[d])
+                           for d in ds)
+        return out
+
+    v = value[pick]
+    while _numel(with_value(v)[big] or ()) < target:
+        if _numel(with_value(2 * v)[big] or ()) > MAX_INDEX:
+            return None
+        v *= 2
+    return with_value(v)
+
+
+def derived_sizes(op: str, suite: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(size, params) of an op without a built-in size table: the spec's example (quick), and
+    in ``full`` also the example scaled up (e.g. rmsnorm 64x4096 -> 4096x4096, 16384x4096).
+
+    A scaled size the op's validate refuses (beyond its limits) is not a case of the op; the
+    example itself always is (the spec's checks at registration accepted it).
+    """
+    from ...ops import get_op
+
+    spec = get_op(op)
+    base, params = _example_shapes(spec)
+    shape_sets = [base]
+    if suite == "full":
+        for target in DERIVED_FULL_ELEMENTS:
+            got = _scaled(spec, base, target)
+            if got is None or got in shape_sets:
+                continue
+            try:  # shapes only: no arrays are allocated
+                _validate_shapes(spec, got, params)
+            except PortakernError:
+                continue
+            shape_sets.append(got)
+    return [({n: list(s) for n, s in shp.items() if s is not None}, dict(params))
+            for shp in shape_sets]
+
+
+class _Meta:
+    """Shape/dtype stand-in so a spec can validate a case without allocating it."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+        self.shape, self.dtype = shape, dtype
+
+
+def _validate_shapes(spec: KernelSpec, shp: Mapping[str, tuple[int, ...] | None],
+                     params: Mapping[str, Any], dtype: str = "float32") -> None:
+    st = dtypes.info(dtype).storage
+    kinds = {o.name: o.kind for o in spec.operands}
+    args = {n: _Meta(s, bool if kinds[n] == "bool" else st) for n, s in shp.items()
+            if s is not None}
+    spec.problem(*spec.bind((), {**args, **params}))
+
+
+def metadata_inputs(case: BenchCase) -> list[Any]:
+    """The case's operands as shape/dtype stand-ins (None for absent ones), in operand order:
+    enough for validation and the cost model, nothing allocated."""
+    from ...ops import get_op
+
+    st = dtypes.info(case.dtype).storage
+    shp = shapes(case)
+    return [None if shp.get(o.name) is None else
+            _Meta(shp[o.name], bool if o.kind == "bool" else st)
+            for o in get_op(case.op).operands]
+
+
+def _mm(n: int, m: int | None = None, k: int | None = None, batch: tuple[int, ...] = ()
+        ) -> dict[str, Any]:
+    return {"M": m or n, "N": n, "K": k or n, "batch": list(batch)}
+
+
+def _att(s: int, d: int = 64, b: int = 1, h: int = 8, hkv: int | None = None,
+         sk: int | None = None) -> dict[str, Any]:
+    return {"B": b, "Hq": h, "Hkv": hkv or h, "Sq": s, "Sk": sk or s, "D": d, "Dv": d}
+
+
+# (size, params) per op and suite, smallest first (``--limit N`` keeps the first N).
+SIZES: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {
+    "quick": {
+        # N=2048 and the causal S=4096 case carry README targets (issue 18, point 5)
+        "matmul": [(_mm(256), {}), (_mm(512), {}), (_mm(1024), {}), (_mm(2048), {})],
+        "softmax": [({"rows": 1024, "cols": 1024}, {}), ({"rows": 4096, "cols": 4096}, {}),
+                    ({"rows": 8192, "cols": 4096}, {})],
+        "attention": [(_att(512), {"causal": False}), (_att(1024), {"causal": False}),
+                      (_att(1024, hkv=2), {"causal": False}), (_att(4096), {"causal": False}),
+                      (_att(4096), {"causal": True})],
+    },
+    "full": {
+        "matmul": [(_mm(n), {}) for n in (128, 256, 512, 1024, 2048, 4096, 8192)]
+        + [(_mm(4096, m=4096, k=256), {}), (_mm(64, m=8192, k=1024), {}),
+           (_mm(512, batch=(16,)), {})],
+        "softmax": [({"rows": r, "cols": c}, {}) for r, c in
+                    ((1024, 1024), (4096, 4096), (8192, 4096), (65536, 128), (4096, 32768),
+                     (16384, 16384))],
+        "attention": [(_att(s), {"causal": False}) for s in (512, 1024, 2048, 4096, 8192, 16384)]
+        + [(_att(4096, d=128), {"causal": False}), (_att(2048, d=128, h=32, hkv=8),
+                                                    {"causal": False}),
+           (_att(2048, b=4, h=16), {"causal": False}), (_att(4096), {"causal": True})],
+    },
+}
+
+DEFAULT_DTYPES = {"quick": ("float32",), "full": ("float32", "float16", "bfloat16")}
+
+TIMING = {
+    "quick": TimingConfig(min_time=0.2, min_reps=3, max_reps=200, budget_s=30.0),
+    "full": TimingConfig(min_time=0.5, min_reps=5, max_reps=1000, budget_s=60.0),
+}
+
+
+def op_sizes(op: str, suite: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(size, params) of an op in a suite, smallest first: the built-in table, else derived
+    from the op's spec."""
+    if op in SIZES[suite]:
+        return list(SIZES[suite][op])
+    return derived_sizes(op, suite)
+
+
+def suite_cases(suite: str, ops: tuple[str, ...] | None = None,
+                dtype_list: tuple[str, ...] | None = None, limit: int | None = None,
+                skipped: dict[str, str] | None = None) -> list[BenchCase]:
+    """The cases of a suite, op by op, dtype by dtype, smallest size first.
+
+    An op asked for by name that has no sizes raises. With the default op list (every
+    registered op), such an op is put into ``skipped`` (op -> why) when a dict is given, so
+    one plugin without an example does not stop the benchmark of all the others, and the
+    result file still names it.
+    """
+    if suite not in SIZES:
+        raise InvalidArgumentError(f"unknown suite {suite!r}; expected one of {sorted(SIZES)}.")
+    from ...ops import get_op
+
+    explicit = bool(ops)
+    ops = ops or all_ops()
+    for op in ops:
+        get_op(op)  # raises naming the registered ops
+    dts = dtype_list or DEFAULT_DTYPES[suite]
+    for dt in dts:
+        dtypes.info(dt)  # raises DTypeError naming the supported set
+    if limit is not None and limit < 1:
+        raise InvalidArgumentError(f"--limit must be >= 1; got {limit}.")
+    cases = []
+    for op in ops:
+        try:
+            sizes = op_sizes(op, suite)
+        except InvalidArgumentError as exc:
+            if skipped is None or explicit:
+                raise
+            skipped[op] = str(exc)
+            continue
+        for dt in dts:
+            entries = sizes[:limit] if limit else sizes
+            for size, params in entries:
+                cases.append(BenchCase(op, dtypes.info(dt).name, dict(size), dict(params)))
+    return cases

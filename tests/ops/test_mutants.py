@@ -1,0 +1,305 @@
+"""The suite must be able to fail: deliberately broken kernels are caught by the same checks.
+
+Each mutant is a one-line edit of a shipped kernel — an off-by-one bound, a missing barrier,
+low-precision accumulation, a causal off-by-one — registered as its own op and run on every
+C-kernel target through the same case generators and tolerance rules as test_ops.py. A
+mutant that survives means the suite is too weak to trust.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import portakern as pk
+from portakern.core.sampling import Case, NumpyChooser
+from portakern.ops import get_op
+from portakern.runtime import selection
+from portakern.tools.cases import CASES, compare
+
+# the scalar direct matmul path (no vectors, no local tiles): where the rounding mutants sit
+SCALAR_MATMUL = {"USE_LOCAL": 0, "VEC": 1, "TM": 4, "TN": 4, "LX": 4, "LY": 4}
+_B_LOAD = "PK_LOAD_T(bsrc, bcol[j] + k * ldb)"
+_A_LOAD = "PK_LOAD_T(A, arow[i] + k)"
+_MM_LOADS = (f"for (int j = 0; j < NCOL; ++j) b[j] = {_B_LOAD};\n"
+             "            #pragma unroll\n            for (int i = 0; i < TM; ++i) {\n"
+             f"                const PK_ACC_T a = {_A_LOAD};")
+
+
+def _r10(x: str) -> str:
+    """C: x rounded to 10 explicit mantissa bits, to nearest even (TF32's, fp16's)."""
+    return f"PK_AS_FLOAT((PK_AS_UINT({x}) + 0xFFFu + ((PK_AS_UINT({x}) >> 13) & 1u)) & 0xFFFFE000u)"
+
+
+def _bf16(x: str) -> str:
+    return f"pk_bf16_to_float(pk_float_to_bf16({x}))"
+
+
+def _fp16(x: str) -> str:
+    """fp16's significand and range (overflow to inf); subnormals not modelled."""
+    return f"(fabs({_r10(x)}) > 65504.0f ? ({x}) * PK_INFINITY : {_r10(x)})"
+
+
+def _rounded_loads(r) -> str:  # noqa: ANN001
+    return _MM_LOADS.replace(f"= {_B_LOAD}", f"= {r(_B_LOAD)}").replace(f"= {_A_LOAD}",
+                                                                         f"= {r(_A_LOAD)}")
+
+
+MUTANTS = {
+    "matmul: K loop stops one short": (
+        "matmul", "        const int kend = min(kb + KB1, K);\n"
+        "        for (int k = kb; k < kend; ++k) {\n            PK_ACC_T b[NCOL];",
+        "        const int kend = min(kb + KB1, K - 1);\n"
+        "        for (int k = kb; k < kend; ++k) {\n            PK_ACC_T b[NCOL];",
+        SCALAR_MATMUL, "float32"),
+    "matmul: local tile drops the last K element": (
+        "matmul", "As[kk][r] = (gr < M && gk < K)", "As[kk][r] = (gr < M && gk + 1 < K)",
+        {"USE_LOCAL": 1, "LX": 8, "LY": 8, "TM": 2, "TN": 2, "TK": 8}, "float32"),
+    "matmul: bf16 accumulation": (
+        "matmul", "for (int j = 0; j < NCOL; ++j) acc[i][j] += a * b[j];\n"
+        "            }\n        }\n        PK_FLUSH_ACC(kb);\n    }\n#endif",
+        "for (int j = 0; j < NCOL; ++j) acc[i][j] = pk_bf16_to_float(pk_float_to_bf16("
+        "acc[i][j] + a * b[j]));\n"
+        "            }\n        }\n        PK_FLUSH_ACC(kb);\n    }\n#endif",
+        {"USE_LOCAL": 0}, "bfloat16"),
+    "matmul: vector path skips the last k": (
+        "matmul", "const int kend = min(kb + KB1, K);\n            #pragma unroll",
+        "const int kend = min(kb + KB1, K - 1);\n            #pragma unroll", {"VEC": 16},
+        "float32"),
+    # issue 14: results a worst-case bound of 2 K u |A||B| lets through at K = 4096 and 16384;
+    # the statistical check (portakern.verify) catches them, through the same compare()
+    "matmul: inputs rounded to TF32 (10-bit mantissa)": (
+        "matmul", _MM_LOADS, _rounded_loads(_r10), SCALAR_MATMUL, "float32"),
+    "matmul: inputs rounded to bf16": (
+        "matmul", _MM_LOADS, _rounded_loads(_bf16), SCALAR_MATMUL, "float32"),
+    "matmul: one K term dropped (the middle one)": (
+        "matmul", "        for (int k = kb; k < kend; ++k) {\n            PK_ACC_T b[NCOL];",
+        "        for (int k = kb; k < kend; ++k) {\n            if (k == K / 2) continue;\n"
+        "            PK_ACC_T b[NCOL];", SCALAR_MATMUL, "float32"),
+    "matmul: fp16 accumulation (11-bit significand, fp16's range)": (
+        "matmul", "for (int j = 0; j < NCOL; ++j) acc[i][j] += a * b[j];\n"
+        "            }\n        }\n        PK_FLUSH_ACC(kb);",
+        "for (int j = 0; j < NCOL; ++j) acc[i][j] = " + _fp16("acc[i][j] + a * b[j]")
+        + ";\n            }\n        }\n        PK_FLUSH_ACC(kb);", SCALAR_MATMUL, "float32"),
+    # the one-read online path (STORE_EXP=0: GPU schedule, fp16/bf16 storage)
+    "softmax: missing barrier in the reduction": (
+        "softmax", "            ls[lid] = ss;\n        }\n        PK_BARRIER();",
+        "            ls[lid] = ss;\n        }", {"WG": 64, "STORE_EXP": 0}, "float32"),
+    "softmax: max not subtracted in the output": (
+        "softmax", "exp(x - rm) * inv", "exp(x) * inv", {"STORE_EXP": 0}, "float32"),
+    "softmax: vector exp without the low part of ln2": (
+        "softmax", "    r = fma(n, (pk_fv)(2.12194440e-4f), r);\n", "",
+        {"VEC": 16, "WG": 1, "STORE_EXP": 0}, "float32"),
+    "softmax: vector exp rounds n with 2^23 instead of 1.5 * 2^23": (
+        "softmax", "(pk_fv)(12582912.0f));\n    const pk_fv n = shifted - (pk_fv)(12582912.0f);",
+        "(pk_fv)(8388608.0f));\n    const pk_fv n = shifted - (pk_fv)(8388608.0f);",
+        {"VEC": 16, "WG": 1, "STORE_EXP": 1}, "float32"),
+    "softmax: vector path skips the block rescale": (
+        "softmax", "vt acc = sv * f;", "vt acc = sv;",
+        {"VEC": 16, "WG": 1, "STORE_EXP": 0}, "float32"),
+    # the exp-once path (STORE_EXP=1: CPU schedule, fp32/fp64 storage)
+    "softmax exp-once: missing barrier in the sum tree": (
+        "softmax",
+        "            if (lid < step) ls[lid] += ls[lid + step];\n            PK_BARRIER();",
+        "            if (lid < step) ls[lid] += ls[lid + step];",
+        {"WG": 64, "VEC": 1, "STORE_EXP": 1}, "float32"),
+    "softmax exp-once: scale pass skipped (vector path)": (
+        "softmax", "PK_CAT(vload, VEC)(bi, yr) * (svt)(scale)", "PK_CAT(vload, VEC)(bi, yr)",
+        {"VEC": 16, "WG": 1, "STORE_EXP": 1}, "float32"),
+    "softmax exp-once: vector exp without the low part of ln2": (
+        "softmax", "    r = fma(n, (pk_fv)(2.12194440e-4f), r);\n", "",
+        {"VEC": 16, "WG": 1, "STORE_EXP": 1}, "float32"),
+    "attention: causal off by one": (
+        "attention", "(!causal || kj <= qi)", "(!causal || kj < qi)", {}, "float32"),
+    "attention: no rescale of the accumulator (scalar path)": (
+        "attention", "for (int d = 0; d < DV; ++d) acc[t][d] *= corr;", "", {"BK": 4}, "float32"),
+    "attention: no rescale of the accumulator (vector path)": (
+        "attention", "for (int c = 0; c < NAV; ++c) a[t][c] *= (vt)(corr);",
+        "for (int c = 0; c < NAV; ++c) a[t][c] *= (vt)(1);", {"BK": 16}, "float32"),
+    "attention: transposed K tile off by one key": (
+        "attention", "Kt[d][j] = (k0 + j < Sk)", "Kt[d][j] = (k0 + j + 1 < Sk)",
+        {"BK": 16, "PACK_KV": 0, "BQ": 8}, "float32"),
+    "attention: staged path missing the barrier after the K/V tile loads": (
+        "attention", "#if !AT_PACKED\n        PK_BARRIER();\n#endif\n\n#if AT_VEC",
+        "#if AT_VEC", {"BK": 16, "PACK_KV": 0, "BQ": 8}, "float32"),
+    "attention: vector exp without the low part of ln2": (
+        "attention", "    r = fma(n, (pk_fv)(2.12194440e-4f), r);\n", "",
+        {"BK": 16, "VEC": 16}, "float32"),
+    "attention: vector exp drops the polynomial's cubic term": (
+        "attention", "    p = fma(p, r, (pk_fv)(1.6666665459e-1f));\n", "",
+        {"BK": 16, "VEC": 16}, "float32"),
+    "attention: packed path reads every tile's V rows from the first tile": (
+        "attention", "#define AT_VROW(j) (vph + (k0 + (j)) * DVP)",
+        "#define AT_VROW(j) (vph + (j) * DVP)",
+        {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
+    "attention: packed path reads the tile's keys one dimension late": (
+        "attention", "#define AT_KROW(d) (kth + (k0 / BK * DQ_ + (d)) * BK)",
+        "#define AT_KROW(d) (kth + (k0 / BK * DQ_ + ((d) + 1) % DQ_) * BK)",
+        {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
+    "attention: P.V also runs rows with nothing to attend in the tile": (
+        "attention", "                    if (!all_on && !on[t]) continue;\n", "",
+        {"BK": 16, "VEC": 16}, "float32"),
+    "attention: the denominators' lane sum drops a lane": (
+        "attention", "e[i] += e[i + w];", "e[i] += (w == 1) ? (PK_ACC_T)0 : e[i + w];",
+        {"BK": 16, "VEC": 16}, "float32"),
+    "attention: the tile's causal test uses the block's last query, not its first": (
+        "attention", "(causal && k0 + BK - 1 > q0 + t0)",
+        "(causal && k0 + BK - 1 > q0 + t0 + TQ - 1)", {"BK": 16, "VEC": 16}, "float32"),
+    "attention: a moved running max keeps the old scale": (
+        "attention", "(mn == m[t0 + t]) ? (PK_ACC_T)1", "(mn != m[t0 + t]) ? (PK_ACC_T)1",
+        {"BK": 16, "VEC": 16}, "float32"),
+    "attention: every register block of an item uses the first block's state": (
+        "attention", "const int t0 = r * TQ;", "const int t0 = 0;",
+        {"BK": 16, "VEC": 16, "TQ": 2, "RQ": 4}, "float32"),
+    "attention: packed K tiles laid out one tile apart too few": (
+        "attention", "#define AT_KROW(d) (kth + (k0 / BK * DQ_ + (d)) * BK)",
+        "#define AT_KROW(d) (kth + (k0 / BK * (DQ_ - 1) + (d)) * BK)",
+        {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
+    # non-finite values and range (issue 14, issue 19 item 7): caught by the generator's NaN,
+    # inf, scale and range families through the same comparison (NaN-ness is exact)
+    "attention: a row is empty whenever !(l > 0) (the old Pallas test: NaN rows become 0)": (
+        "attention", "PK_STORE_T(O, (bh * Sq + qi) * DV + d, ar[d] * inv);",
+        "PK_STORE_T(O, (bh * Sq + qi) * DV + d,\n"
+        "                                     !(l[t] > (PK_ACC_T)0) ? (PK_ACC_T)0 : ar[d] * inv);",
+        {}, "float32"),
+    "attention: the scale multiplies the dot after it, not q before it": (
+        "attention",
+        ("int nqb, PK_ACC_T scale,",
+         "    const int g = PK_GROUP_ID(0);\n    const int bh = g / nqb;",
+         "            /* The accumulators are copied into a tile-local array"),
+        ("int nqb, PK_ACC_T scale_after,",
+         "    const PK_ACC_T scale = (PK_ACC_T)1; /* q unscaled */\n"
+         "    const int g = PK_GROUP_ID(0);\n    const int bh = g / nqb;",
+         "            for (int t = 0; t < TQ; ++t)\n"
+         "                for (int c = 0; c < NSV; ++c) sv[t][c] *= (vt)(scale_after);\n"
+         "            /* The accumulators are copied into a tile-local array"),
+        {"BK": 16, "VEC": 16}, "float32"),
+    "attention: a masked key's NaN/inf V row enters P.V unzeroed (packed path)": (
+        "attention", "            bad = 1;\n            x = (PK_ACC_T)0;\n",
+        "            bad = 1;\n",
+        {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
+    # rmsnorm is registered like any user op: its mutants run through its spec's own generator
+    "rmsnorm: missing barrier in the reduction": (
+        "rmsnorm", "            lb[lid] += lb[lid + step];\n        }\n        PK_BARRIER();",
+        "            lb[lid] += lb[lid + step];\n        }", {"WG": 64}, "float32"),
+    "rmsnorm: mean over n - 1": (
+        "rmsnorm", "q = tn / nf + eps;", "q = tn / (nf - (PK_ACC_T)1) + eps;", {}, "float32"),
+    "rmsnorm: large elements squared unscaled (overflow)": (
+        "rmsnorm", "const PK_ACC_T t = x * down;", "const PK_ACC_T t = x;", {}, "float32"),
+    "rmsnorm: bf16 accumulation": (
+        "rmsnorm", "pn += x * x;", "pn = pk_bf16_to_float(pk_float_to_bf16(pn + x * x));", {},
+        "bfloat16"),
+}
+
+
+_ALIVE: list[object] = []  # see test_mutant_is_caught
+
+
+def kernel_targets() -> list[str]:
+    from conftest import KERNEL_TARGETS
+
+    return KERNEL_TARGETS
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_is_caught(name: str) -> None:
+    op, old, new, cfg, dtype = MUTANTS[name]
+    spec = get_op(op)
+    source = spec.source
+    # one edit, or several (a tuple of sites and a tuple of replacements) that make one mutant
+    for o, n in zip(*((old, new) if isinstance(old, tuple) else ((old,), (new,))), strict=True):
+        assert o in source, f"mutation site for {name!r} not found: the kernel changed"
+        source = source.replace(o, n, 1)
+    mutant = spec.replace(name=f"{op}_mutant", source=source)
+    # Backends cache kernels and launch plans per (spec name, id(spec)); a freed mutant's id is
+    # reused by the next one, which would then run the previous mutant's compiled kernel.
+    # Keeping every mutant alive keeps every id unique for the whole session.
+    _ALIVE.append(mutant)
+    targets = kernel_targets()
+    if not targets:
+        pytest.skip("no C-kernel backend available: " + str(
+            {k: v["reason"] for k, v in pk.backends().items() if not v["available"]}))
+    for target in targets:
+        base = selection.get(target).device_class
+        config = {**spec.schedules[base], **cfg}
+        ch = NumpyChooser(np.random.default_rng(1234))
+        caught = False
+        for _ in range(40):
+            case = CASES[op](ch, dtype)
+            out = pk.call(mutant, backend=target, config=config, **case.arrays, **case.params)
+            if not compare(spec, case, out).ok:
+                caught = True
+                break
+        assert caught, f"mutant {name!r} survived 40 cases on {target}"
+
+
+# --- mutants only the simulator catches --------------------------------------------------------
+# Faults whose values come out right on PoCL (work-items run one after another, a read past an
+# array lands in allocator slack, local memory holds yesterday's finite data), so the oracle
+# cannot see them; on a GPU they give wrong answers now and then. The Oclgrind simulator
+# (opencl:oclgrind, backends/test_simulator.py) reports each as a KernelFaultError of the named
+# kind. Each entry: op, old, new, config, dtype, fixed cases, the fault kind it must raise.
+SIMULATOR_MUTANTS = {
+    # the last reduction step writes lm[0]/ls[0], which every item then reads: PoCL runs item
+    # 0 first, so the others see the final value; on a GPU a warp may read it before
+    "softmax: no barrier after the last reduction step (race, right values on PoCL)": (
+        "softmax", "            ls[lid] = ss;\n        }\n        PK_BARRIER();\n    }",
+        "            ls[lid] = ss;\n        }\n        if (step > 1) PK_BARRIER();\n    }",
+        {"WG": 64, "VEC": 1, "UNROLL": 1, "STORE_EXP": 0}, "float32",
+        (((3, 100),), ((2, 65),)), "race"),
+    # a tile slot outside A reads one element past A's end and multiplies it by zero (fmin
+    # keeps the product 0 even for NaN/inf slack): right values, an out-of-bounds read
+    "matmul: local tile loads one past the end of A, times zero (out of bounds)": (
+        "matmul",
+        "As[kk][r] = (gr < M && gk < K) ? PK_LOAD_T(A, ao + gr * K + gk) : (PK_ACC_T)0;",
+        "As[kk][r] = (gr < M && gk < K) ? PK_LOAD_T(A, ao + gr * K + gk)\n"
+        "                : (PK_ACC_T)0 * fmin(fabs(PK_LOAD_T(A, ao + M * K)), (PK_ACC_T)1);",
+        {"USE_LOCAL": 1, "LX": 8, "LY": 8, "TM": 2, "TN": 2, "TK": 8, "VEC": 1, "PACK_B": 0},
+        "float32", (((5, 5), (5, 7)), ((19, 3), (3, 9))), "out-of-bounds"),
+    # the A tile's slots past K are never written, yet read (times B's zeros) by the product
+    "matmul: local A tile slots past K read before they are written (uninitialised)": (
+        "matmul",
+        "As[kk][r] = (gr < M && gk < K) ? PK_LOAD_T(A, ao + gr * K + gk) : (PK_ACC_T)0;",
+        "if (gk < K) As[kk][r] = (gr < M) ? PK_LOAD_T(A, ao + gr * K + gk) : (PK_ACC_T)0;",
+        {"USE_LOCAL": 1, "LX": 8, "LY": 8, "TM": 2, "TN": 2, "TK": 8, "VEC": 1, "PACK_B": 0},
+        "float32", (((5, 5), (5, 7)), ((19, 3), (3, 9))), "uninitialised read"),
+}
+
+# What catches each mutant: the values (the oracle, on every C-kernel target) or the simulator.
+CAUGHT_BY = {**{name: "values" for name in MUTANTS},
+             **{name: "simulator" for name in SIMULATOR_MUTANTS}}
+
+
+def _simulator_available() -> bool:
+    try:
+        from portakern.backends.oclgrind import simulator_info
+    except Exception:
+        return False
+    return simulator_info() is not None
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("name", sorted(SIMULATOR_MUTANTS))
+def test_simulator_mutant_is_caught(name: str) -> None:
+    op, old, new, cfg, dtype, shapes, kind = SIMULATOR_MUTANTS[name]
+    assert CAUGHT_BY[name] == "simulator"
+    spec = get_op(op)
+    assert old in spec.source, f"mutation site for {name!r} not found: the kernel changed"
+    mutant = spec.replace(name=f"{op}_sim_mutant", source=spec.source.replace(old, new, 1))
+    _ALIVE.append(mutant)
+    rng = np.random.default_rng(11)
+    cases = [[rng.standard_normal(s).astype(dtype) for s in shape] for shape in shapes]
+    config = {**spec.config("gpu"), **cfg}
+    # the values do not catch it: on every C-kernel target the oracle accepts the mutant
+    for target in kernel_targets():
+        for arrays in cases:
+            case = Case(dict(zip([o.name for o in spec.operands], arrays)), {})
+            out = pk.call(mutant, *arrays, backend=target, config=config)
+            assert compare(spec, case, out).ok, f"{name!r} is caught by values on {target}"
+    if not _simulator_available():
+        pytest.skip("opencl:oclgrind: the Oclgrind simulator is not installed")
+    with pytest.raises(pk.KernelFaultError) as info:
+        for arrays in cases:
+            pk.call(mutant, *arrays, backend="opencl:oclgrind", config=config)
+    assert info.value.kind == kind, str(info.value)
+    assert info.value.source_line and info.value.work_items
