@@ -113,12 +113,12 @@ def _nvrtc_resources(source: str, arch: str, name: str) -> list[KernelResources]
 
 
 def _cuda_occupancy(arch: str, threads: int, k: KernelResources) -> Occupancy:
-    from ..backends import cuda
+    from . import ptxas
 
-    lim = cuda.ARCH_LIMITS.get(arch)
+    lim = ptxas.ARCH_LIMITS.get(arch)
     if lim is None:
         return None
-    return (*cuda.occupancy(lim, threads, k.registers, k.shared_bytes), "SM")
+    return (*ptxas.occupancy(lim, threads, k.registers, k.shared_bytes), "SM")
 
 
 def _cuda() -> CompileOnlyTarget:

@@ -15,7 +15,7 @@ compile-only target's hooks (``portakern.toolchains``: ``kernel_resources``,
 
 Theoretical occupancy = resident warps (waves) per SM (CU) / the most the SM (CU) holds, from
 the registers, shared memory / LDS and group size, with the per-architecture limits and
-calculators in ``portakern.backends.cuda`` (``ARCH_LIMITS`` sm_80, sm_90; ``occupancy``) and
+calculators in ``portakern.toolchains.ptxas`` (``ARCH_LIMITS`` sm_80, sm_90; ``occupancy``) and
 ``portakern.toolchains.hipcc`` (gfx906, gfx90a, gfx1030; gfx1030 per WGP, the compiler's default
 mode). The limiting resource is named. What these figures cannot say: how fast the kernel
 runs (memory traffic, latency hiding, bank conflicts, instruction mix), and whether the

@@ -20,7 +20,7 @@ from portakern import toolchains
 from portakern.ops import get_op
 from portakern.tools import resources
 
-cuda = importlib.import_module("portakern.backends.cuda")
+ptxas = importlib.import_module("portakern.toolchains.ptxas")
 hip = importlib.import_module("portakern.toolchains.hipcc")
 BUILTIN_OPS = ("matmul", "softmax", "rmsnorm", "attention")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -28,7 +28,7 @@ FLOOR_TARGETS = [(t, a) for t in toolchains.names() for a in toolchains.get(t).f
 
 
 def need(tool: str) -> None:
-    found, fix = ((cuda.find_ptxas(), cuda.PTXAS_FIX) if tool == "ptxas"
+    found, fix = ((ptxas.find_ptxas(), ptxas.PTXAS_FIX) if tool == "ptxas"
                   else (hip.find_hipcc(), hip.INSTALL_FIX))
     if found is not None:
         return
@@ -59,11 +59,11 @@ def test_attention_states_its_float64_floor() -> None:
 
 
 def test_occupancy_tables() -> None:
-    lim = cuda.ARCH_LIMITS["90"]
-    assert cuda.occupancy(lim, 64, 128, 16512) == (16, 64, "registers")
-    assert cuda.occupancy(lim, 128, 163, 16384)[0] == 12  # 168 x 32 per warp
-    assert cuda.occupancy(lim, 256, 32, 0) == (64, 64, "warps")
-    assert cuda.occupancy(cuda.ARCH_LIMITS["80"], 256, 32, 80000)[2] == \
+    lim = ptxas.ARCH_LIMITS["90"]
+    assert ptxas.occupancy(lim, 64, 128, 16512) == (16, 64, "registers")
+    assert ptxas.occupancy(lim, 128, 163, 16384)[0] == 12  # 168 x 32 per warp
+    assert ptxas.occupancy(lim, 256, 32, 0) == (64, 64, "warps")
+    assert ptxas.occupancy(ptxas.ARCH_LIMITS["80"], 256, 32, 80000)[2] == \
         "shared memory"
     g = hip.ARCH_LIMITS["gfx90a"]
     assert hip.occupancy(g, 64, 64, 128, 40, 0) == (16, 32, "VGPRs")  # 4 per SIMD
@@ -80,7 +80,7 @@ ptxas info    : Function properties for attention
     128 bytes stack frame, 4 bytes spill stores, 8 bytes spill loads
 ptxas info    : Used 163 registers, used 1 barriers, 128 bytes cumulative stack size, 16384 bytes smem
 """  # noqa: E501
-    (k,) = cuda.parse_ptxas_log(log)
+    (k,) = ptxas.parse_ptxas_log(log)
     assert k == {"kernel": "attention", "registers": 163, "stack_bytes": 128,
                  "spill_stores": 4, "spill_loads": 8, "barriers": 1, "shared_bytes": 16384}
     asm = """attention:
