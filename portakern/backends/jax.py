@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core import dtypes
+from ..core import dtypes, settings
 from ..core.errors import (
     BackendUnavailable,
     DeviceMemoryError,
@@ -44,7 +44,7 @@ from ..core.errors import (
 )
 from ..core.host import native_byte_order
 from ..core.spec import KernelSpec, Problem, storage_dtype
-from .base import FUNCTION_CACHE_SIZE, Availability, Backend, DeviceInfo, LRUCache, _cache_bound
+from .base import FUNCTION_CACHE_SIZE, Availability, Backend, DeviceInfo, LRUCache
 
 try:  # optional dependency: guarded, with an install hint in the availability record
     import jax
@@ -190,7 +190,7 @@ def traced_params(spec: KernelSpec, params: Mapping[str, Any]) -> tuple[str, ...
 _STATIC_SPECS: set[int] = set()  # spec tokens whose semantics branch on a parameter's value
 # Each jitted function may hold one executable per input shape; beyond this many in all (per
 # backend instance), least recently used functions are dropped with their executables.
-EXECUTABLE_CACHE_SIZE = _cache_bound("PORTAKERN_EXECUTABLE_CACHE_SIZE", 64)
+EXECUTABLE_CACHE_SIZE = settings.jax.executable_cache_size
 
 
 def _freeze(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:

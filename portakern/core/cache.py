@@ -71,7 +71,7 @@ def cache_root() -> Path:
     Without ``$HOME`` and without a passwd entry for this uid (a container run with an
     arbitrary uid) there is no home directory: then a private directory under the system
     temporary directory, ``portakern-cache-<uid>``, with one CacheWarning saying so."""
-    env = settings.get(ENV_DIR)
+    env = settings.cache.dir
     if env:
         return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME")

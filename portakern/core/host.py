@@ -91,7 +91,7 @@ def _address_space_headroom() -> int | None:
 
 def memory_budget() -> tuple[int, str]:
     """(bytes, what set it): the most host memory one call may ask for."""
-    env = settings.raw(ENV_BUDGET)
+    env = settings.host.memory_budget
     if env:
         budget, why = _parse_bytes(env), f"${ENV_BUDGET}={env}"
     else:

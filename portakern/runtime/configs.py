@@ -50,7 +50,7 @@ class TuningWarning(CacheWarning):
 # --- switches and buckets -----------------------------------------------------------------
 def mode() -> str:
     """'off', 'exact' or 'nearest' from $PORTAKERN_TUNING (default 'nearest')."""
-    return str(settings.get(ENV_TUNING))
+    return settings.tuning.mode
 
 
 def size_class(v: int) -> int:

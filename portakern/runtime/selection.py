@@ -191,7 +191,7 @@ def resolve(backend: str | Backend | None = None, arrays: Iterable[Any] | None =
     cur = _current.get()
     if cur is not None:
         return cur if isinstance(cur, Backend) else get(cur, "portakern.use(...)")
-    env = settings.raw(ENV_VAR)
+    env = settings.selection.backend
     if env is not None:
         return get(env, f"${ENV_VAR}")
     owner = owner_of(arrays)
@@ -213,7 +213,7 @@ def explain(backend: str | None = None) -> str:
     cur = _current.get()
     if cur is not None:
         return f"{resolve().describe()}: set by portakern.use({cur!r})"
-    env = settings.raw(ENV_VAR)
+    env = settings.selection.backend
     if env is not None:
         return f"{resolve().describe()}: set by ${ENV_VAR}={env}"
     sel, why = automatic()

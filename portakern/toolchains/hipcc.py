@@ -73,7 +73,7 @@ def normalize_arch(text: str) -> str:
 
 def find_hipcc() -> str | None:
     """$PORTAKERN_HIPCC, else hipcc on PATH, else /opt/rocm/bin/hipcc."""
-    env = settings.get("PORTAKERN_HIPCC")
+    env = settings.tools.hipcc
     if env:
         return env if os.path.isfile(env) else None
     return shutil.which("hipcc") or next(

@@ -28,7 +28,7 @@ PTXAS_FIX = ("install the CUDA toolkit's ptxas (it sits beside nvcc: apt-get ins
 
 def find_ptxas() -> str | None:
     """$PORTAKERN_PTXAS, ptxas on PATH, beside nvcc, $CUDA_PATH/bin, /usr/local/cuda/bin."""
-    env = settings.get("PORTAKERN_PTXAS")
+    env = settings.tools.ptxas
     if env:
         return env if os.path.isfile(env) else None
     found = shutil.which("ptxas")

@@ -511,7 +511,7 @@ def _cmd(args: argparse.Namespace) -> int:
         base = Store(NAMESPACE).path
         print(f"tuning database: {base}")
         if mode() == "off":
-            print(f"(lookups are disabled by ${ENV_TUNING}={settings.raw(ENV_TUNING)})")
+            print(f"(lookups are disabled by ${ENV_TUNING}={settings.Tuning.mode.text()})")
         keys = _all_device_keys()
         if not keys:
             print("  nothing tuned yet; run `portakern tune OP --backend B`")

@@ -46,13 +46,15 @@ def _info(args: argparse.Namespace) -> int:
     env = settings.describe()
     if args.json:
         print(json.dumps({"backends": report, "automatic": choice,
-                          "settings": {n: {"value": v, "doc": d} for n, v, d in env}},
+                          "settings": {row.name: {"attribute": f"settings.{row.path}",
+                                                   "value": row.shown, "doc": row.doc}
+                                       for row in env}},
                          indent=2, default=str))
     else:
         print(f"\nautomatic selection: {choice}")
         print("\nsettings (environment variables, portakern/core/settings.py):")
-        for name, value, doc in env:
-            print(f"  {name} = {value}\n      {doc}")
+        for row in env:
+            print(f"  {row.name} = {row.shown}   (settings.{row.path})\n      {row.doc}")
     return 0
 
 

@@ -163,9 +163,9 @@ def default_jobs() -> int:
 
     NVRTC holds the GIL, so parallel compiles need processes, not threads.
     """
-    jobs = settings.get("PORTAKERN_COMPILE_JOBS")
-    if jobs:
-        return int(jobs)
+    jobs = settings.tools.compile_jobs
+    if jobs is not None:
+        return jobs
     try:
         ncpu = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -19,6 +19,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from ...core import settings
+
 # The environment variables a result file records: an allow-list of settings that change
 # what is measured (BLAS and OpenMP threading, PoCL, PyOpenCL, CUDA/CuPy, ROCm, XLA/JAX and
 # portakern's own knobs), by exact name. Never a prefix: TF_TOKEN_*, TF_VAR_*, AWS_*,
@@ -48,12 +50,8 @@ ENV_ALLOW = frozenset((
     "XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS", "JAX_PLATFORM_NAME", "JAX_ENABLE_X64",
     "JAX_DEFAULT_MATMUL_PRECISION", "JAX_DISABLE_JIT", "JAX_COMPILATION_CACHE_DIR",
     "JAX_TRACEBACK_FILTERING", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL",
-    # portakern's own
-    "PORTAKERN_BACKEND", "PORTAKERN_CACHE_DIR", "PORTAKERN_COMPILE_JOBS",
-    "PORTAKERN_CUDA_CACHE", "PORTAKERN_EXECUTABLE_CACHE_SIZE", "PORTAKERN_FUNCTION_CACHE_SIZE",
-    "PORTAKERN_HIPCC", "PORTAKERN_HOST_MEMORY_BUDGET", "PORTAKERN_KERNEL_CACHE_SIZE",
-    "PORTAKERN_OCLGRIND", "PORTAKERN_OCLGRIND_ICD", "PORTAKERN_OPENCL_CACHE",
-    "PORTAKERN_OPENCL_POOL", "PORTAKERN_PTXAS", "PORTAKERN_TUNING",
+    # portakern's own: every declared setting
+    *settings.SETTINGS,
 ))
 PACKAGES = ("numpy", "pyopencl", "jax", "jaxlib", "cupy-cuda12x", "cupy-cuda11x", "cupy-rocm-5-0",
             "cupy", "pyclblast", "threadpoolctl", "matplotlib", "ml_dtypes", "portakern",
