@@ -14,6 +14,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 status=0
+# Lint and type check first (seconds; mypy's scope is [tool.mypy] files in pyproject.toml):
+# a failure fails the test command, and pytest still runs so one run reports everything.
+.venv/bin/ruff check . || { echo "test.sh: ruff check failed" >&2; status=1; }
+.venv/bin/mypy || { echo "test.sh: mypy failed" >&2; status=1; }
 run() {
   PORTAKERN_TEST_BACKENDS="$1" .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=8 "${@:2}"
   local rc=$?

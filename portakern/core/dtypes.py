@@ -10,11 +10,15 @@ The per-dialect spellings live in the tables below: data, not branches.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import ml_dtypes
 import numpy as np
 
 from .errors import DTypeError
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -49,7 +53,7 @@ FLOAT_DTYPES: dict[str, DTypeInfo] = {
 def dtype_name(dtype: object) -> str:
     """Canonical name of a dtype-like (numpy dtype, ml_dtypes, jax/cupy dtypes, strings)."""
     try:
-        dt = np.dtype(dtype)  # type: ignore[arg-type]
+        dt = np.dtype(cast("DTypeLike", dtype))  # anything else raises TypeError, caught
     except TypeError:
         return str(dtype)
     if dt == bfloat16:

@@ -167,8 +167,9 @@ def host_operand(name: str, x: object, *, contiguous: bool = True) -> np.ndarray
     if isinstance(x, np.ndarray):  # shape and dtype of an ndarray are its data's, by definition
         arr = np.asarray(x)  # subclasses (np.matrix) compute as the plain array they hold
     else:
-        claimed_shape = tuple(int(s) for s in x.shape)  # type: ignore[attr-defined]
-        claimed_dtype = dtype_name(x.dtype)  # type: ignore[attr-defined]
+        meta: Any = x  # an array-like: validation read its shape and dtype already
+        claimed_shape = tuple(int(s) for s in meta.shape)
+        claimed_dtype = dtype_name(meta.dtype)
         what = f"argument {name!r} ({type(x).__name__}, shape {claimed_shape}, " \
                f"dtype {claimed_dtype})"
         try:

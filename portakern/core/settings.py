@@ -430,7 +430,8 @@ def _env_event(event: str, args: tuple[Any, ...]) -> None:
         watch = _WATCHES.get(key)
         if watch is None:
             return
-        changed = [(watch, None if event == "os.unsetenv" else _decode(args[1]))]
+        changed: list[tuple[_Watch, object]] = [
+            (watch, None if event == "os.unsetenv" else _decode(args[1]))]
     except Exception:  # never break the caller's putenv: treat every watch as changed
         changed = [(w, _UNKNOWN) for w in list(_WATCHES.values())]
     with _WATCH_LOCK:

@@ -312,7 +312,7 @@ class KernelSpec:
     def problem(self, arrays: Mapping[str, object], params: Mapping[str, Any]) -> Problem:
         """Validate metadata and build the Problem. Raises before any backend is touched."""
         metas: dict[str, ArrayMeta | None] = {}
-        float_names: list[str] = []
+        float_dtypes: dict[str, str] = {}  # float operand -> its dtype's name
         for o in self.operands:
             x = arrays.get(o.name)
             if x is None:
@@ -333,11 +333,9 @@ class KernelSpec:
                                      "are never converted from float, nor narrowed silently).")
             else:
                 dtypes.info(m.dtype)
-                float_names.append(o.name)
-        got = {dtypes.dtype_name(metas[n].dtype) for n in float_names}  # type: ignore[union-attr]
-        if len(got) > 1:
-            listing = ", ".join(f"{n}={dtypes.dtype_name(metas[n].dtype)}"  # type: ignore[union-attr]
-                                for n in float_names)
+                float_dtypes[o.name] = name
+        if len(set(float_dtypes.values())) > 1:
+            listing = ", ".join(f"{n}={d}" for n, d in float_dtypes.items())
             raise DTypeError(f"{self.name}: mixed input dtypes ({listing}); expected one dtype "
                              "for all float operands. Cast explicitly; portakern never promotes.")
         prob = self.validate(metas, dict(params))
@@ -358,9 +356,11 @@ class KernelSpec:
     def config(self, device_class: str, overrides: Mapping[str, object] | None = None,
                problem: Problem | None = None) -> dict[str, int]:
         """Default schedule for a device class ('cpu' or 'gpu'), overridden and validated."""
-        base = dict(self.schedules.get(device_class) or self.schedules.get("gpu") or {})
+        # overrides may hold anything a caller passed: each value is checked below
+        base: dict[str, object] = dict(self.schedules.get(device_class)
+                                       or self.schedules.get("gpu") or {})
         if overrides:
-            base.update(overrides)  # type: ignore[arg-type]
+            base.update(overrides)
         known = {t.name: t for t in self.tunables}
         unknown = set(base) - set(known)
         if unknown:

@@ -92,8 +92,8 @@ def example_inputs(spec: KernelSpec, dtype: str, sizes: Mapping[str, int] | None
     (``sizes`` overrides size names, e.g. {"n": 4096}); None when the spec gives neither."""
     st = dtypes.info(dtype).name
     if spec.example is not None:
-        arrays, params = spec.example(st)
-        return dict(arrays), dict(params)
+        given, given_params = spec.example(st)
+        return dict(given), dict(given_params)
     family = shape_family(spec)
     if family is None:
         return None
@@ -672,6 +672,8 @@ def _check_statistical(spec: KernelSpec, prob: Problem, ins: dict[str, np.ndarra
                        ref: np.ndarray) -> None:
     """The model on the example: a StatModel whose sigma and slack broadcast to the output
     and whose group_axes are output axes (portakern.verify reads nothing else)."""
+    if spec.statistical is None:  # no model: nothing to check
+        return
     st = _call(spec, "statistical", spec.statistical, prob, ins, ref)
     fix = _FIXES["statistical"]
     if not all(hasattr(st, a) for a in ("sigma", "slack", "group_axes")):
@@ -703,6 +705,7 @@ def _check_semantics_output(spec: KernelSpec, prob: Problem) -> None:
     ins = {o.name: a for o, a in zip(spec.operands, args, strict=True) if a is not None}
     with np.errstate(all="ignore"):
         res = _call(spec, "semantics", lambda: spec.semantics(np, *args, **prob.params))
+        refs: tuple[np.ndarray, ...]
         if prob.outputs is None:
             refs = (np.asarray(res),)
         elif not isinstance(res, (tuple, list)) or len(res) != len(outs):
