@@ -148,7 +148,7 @@ def load(name: str) -> type[Backend] | Availability:
                     except Exception:  # pragma: no cover - e.g. a broken optional install
                         pass
             else:
-                cls = target.load()  # type: ignore[attr-defined]
+                cls = target.load()  # type: ignore[attr-defined]  # an EntryPoint
             got = cls
         except Exception as exc:
             got = Availability(False, f"importing the {name} backend raised "

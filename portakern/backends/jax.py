@@ -53,7 +53,7 @@ try:  # optional dependency: guarded, with an install hint in the availability r
 
     _IMPORT_ERROR: Exception | None = None
 except Exception as exc:  # pragma: no cover - depends on the machine
-    jax = jnp = lax = None  # type: ignore[assignment]
+    jax = jnp = lax = None  # type: ignore[assignment]  # None: jax is not installed
     _IMPORT_ERROR = exc
 
 INSTALL_HINT = "pip install 'portakern[jax]'"

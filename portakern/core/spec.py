@@ -142,6 +142,14 @@ class Problem:
     # launches name each as Buf(name). None: the one output Buf("out") of out_shape and dtype.
     outputs: dict[str, tuple[tuple[int, ...], str]] | None = None
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of operand ``name``, which the call gave (a required operand's always
+        is); KeyError for an optional operand the call left out."""
+        shape = self.shapes.get(name)
+        if shape is None:
+            raise KeyError(f"{self.op}: operand {name!r} was not given")
+        return shape
+
     @property
     def info(self) -> dtypes.DTypeInfo:
         return dtypes.info(self.dtype)

@@ -90,8 +90,8 @@ def _packed_elements(p: Problem, cfg: Mapping[str, int]) -> int:
 
 def _chunks(p: Problem) -> list[tuple[list[int], int, int, list[int], list[int]]]:
     M, N, K, batch = (p.derived[k] for k in ("M", "N", "K", "batch"))
-    sa = broadcast_strides(p.shapes["a"][:-2], batch, M * K)  # type: ignore[index]
-    sb = broadcast_strides(p.shapes["b"][:-2], batch, K * N)  # type: ignore[index]
+    sa = broadcast_strides(p.shape("a")[:-2], batch, M * K)
+    sb = broadcast_strides(p.shape("b")[:-2], batch, K * N)
     sc = broadcast_strides(batch, batch, M * N)
     dims, strides = collapse_dims(list(batch), [sa, sb, sc])
     return batch_chunks(dims, strides)
@@ -133,8 +133,8 @@ def cost(p: Problem) -> Cost:
     M, N, K, batch = (p.derived[k] for k in ("M", "N", "K", "batch"))
     nb = int(np.prod(batch)) if batch else 1
     isz = p.info.storage.itemsize
-    na = int(np.prod(p.shapes["a"]))  # type: ignore[arg-type]
-    nbb = int(np.prod(p.shapes["b"]))  # type: ignore[arg-type]
+    na = int(np.prod(p.shape("a")))
+    nbb = int(np.prod(p.shape("b")))
     return Cost(flops=2.0 * nb * M * N * K, bytes=float(isz * (na + nbb + nb * M * N)))
 
 

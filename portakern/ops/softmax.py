@@ -41,7 +41,7 @@ def normalize_axis(axis: object, ndim: int) -> int:
     if isinstance(axis, bool):
         raise InvalidArgumentError(f"softmax: axis must be an int; got bool {axis!r}.")
     try:
-        ax = operator.index(axis)  # type: ignore[arg-type]
+        ax = operator.index(axis)  # type: ignore[arg-type]  # any object: TypeError is the check
     except TypeError:
         raise InvalidArgumentError(
             f"softmax: axis must be an int in [-{ndim}, {ndim}); got {type(axis).__name__} "
@@ -158,10 +158,10 @@ def softmax_case(ch: Chooser, dtype: str) -> Case:
         x = x.copy()
         x[rng.random(x.shape) < 0.2] = -np.inf
         if x.size and ch.boolean():
-            idx = [slice(None)] * rank
+            idx: list[slice | int] = [slice(None)] * rank
             for d in range(rank):
                 if d != axis_pos:
-                    idx[d] = 0  # type: ignore[call-overload]
+                    idx[d] = 0
             x[tuple(idx)] = -np.inf  # one fully -inf row -> zeros
     if kind == "posinf" and x.size:  # +inf in a row makes the row NaN, as in the oracle
         x = x.copy()

@@ -258,7 +258,7 @@ class _Search:
             for j in (i - 1, i + 1):
                 if 0 <= j < len(t.domain):
                     out.append({**cfg, t.name: t.domain[j]})
-        self.rng.shuffle(out)  # type: ignore[arg-type]
+        self.rng.shuffle(out)
         self.neighbours = out
 
     def next(self) -> tuple[str, dict[str, int]] | None:

@@ -30,7 +30,8 @@ class _CaseTable(dict[str, CaseGenerator]):
             raise KeyError(op)
         return gen
 
-    def get(self, op: str, default: CaseGenerator | None = None  # type: ignore[override]
+    def get(  # type: ignore[override]  # one of Mapping.get's overloads, not all
+            self, op: str, default: CaseGenerator | None = None
             ) -> CaseGenerator | None:
         try:
             return self[op]

@@ -63,7 +63,7 @@ def _tuned(name: str, device: object, versions: dict) -> list[dict]:
     try:
         from ..runtime.configs import tuned_summary
 
-        return tuned_summary(name, device, versions)  # type: ignore[arg-type]
+        return tuned_summary(name, device, versions)  # type: ignore[arg-type]  # a DeviceInfo
     except Exception:  # info must report, never crash
         return []
 

@@ -322,7 +322,7 @@ def compile_cases(todo: Sequence[CompileCase],
                 except Exception:  # a worker died (e.g. killed): redo this one here
                     got = None
             if got is not None:
-                res = _MEMO[key] = _result(case, got)  # type: ignore[index]
+                res = _MEMO[key] = _result(case, got)
             else:
                 res = compile_case(case, options)
             results.append(res)

@@ -83,7 +83,7 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `portakern bench` on the CLI's subparsers."""
     p = sub.add_parser(
         "bench", help="our kernels vs each device's native library, with the roofline",
@@ -131,7 +131,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     return p
 
 
-def add_report_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_report_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `portakern report` on the CLI's subparsers."""
     p = sub.add_parser(
         "report", help="merge bench result files from several machines into REPORT.md",

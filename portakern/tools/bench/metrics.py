@@ -82,7 +82,7 @@ def performance_portability(efficiencies: Mapping[str, float | None]) -> Portabi
     unsupported = tuple(k for k, e in efficiencies.items() if e is None)
     if unsupported:
         return Portability(0.0, names, unsupported)
-    vals = [float(e) for e in efficiencies.values()]  # type: ignore[arg-type]
+    vals = [float(e) for e in efficiencies.values() if e is not None]  # none is, now
     return Portability(harmonic_mean(vals), names, ())
 
 

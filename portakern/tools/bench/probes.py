@@ -199,7 +199,7 @@ def probe_kernel_backend(be: KernelBackend, compute_dtypes: Sequence[str],
         args = [be.buffer_arg(x), be.buffer_arg(y), np.int32(n_copy)]
         m = measure(lambda k=copy_k, la=la, args=args: be.enqueue(k, la, args),
                     be.synchronize, timing, what=f"pk_probe_copy n={n_copy} vw={vw} wg={wg}")
-        bw = 2.0 * n_copy * 4 / m.median / 1e9  # type: ignore[operator]
+        bw = 2.0 * n_copy * 4 / m.median / 1e9  # type: ignore[operator]  # measure() always samples
         roof.trials.append({"probe": "copy", "n": n_copy, "vw": vw, "wg": wg,
                             "median_s": m.median, "min_s": m.stats.min if m.stats else None,
                             "gbs": bw})
@@ -227,7 +227,8 @@ def probe_kernel_backend(be: KernelBackend, compute_dtypes: Sequence[str],
             m = measure(lambda k=k, la=la, args=args: be.enqueue(k, la, args), be.synchronize,
                         timing, what=f"pk_probe_fma {cdt} vw={vw} chains={chains} "
                         f"iters={iters}")
-            gf = 2.0 * n_items * vw * chains * iters / m.median / 1e9  # type: ignore[operator]
+            flops = 2.0 * n_items * vw * chains * iters
+            gf = flops / m.median / 1e9  # type: ignore[operator]  # measure() always samples
             roof.trials.append({"probe": "fma", "dtype": cdt, "n": n_items, "vw": vw,
                                 "chains": chains, "iters": iters, "wg": wg,
                                 "median_s": m.median, "gflops": gf})
@@ -252,7 +253,7 @@ def probe_jax(device: Any, klass: str, compute_dtypes: Sequence[str],
 
     m = measure(step, lambda: state["x"].block_until_ready(), timing,
                 what=f"jax negation n={n}")
-    bw = 2.0 * n * 4 / m.median / 1e9  # type: ignore[operator]
+    bw = 2.0 * n * 4 / m.median / 1e9  # type: ignore[operator]  # measure() always samples
     roof.trials.append({"probe": "copy", "n": n, "median_s": m.median, "gbs": bw})
     roof.copy_gbs = bw
     del state["x"]
@@ -280,7 +281,8 @@ def probe_jax(device: Any, klass: str, compute_dtypes: Sequence[str],
 
             m = measure(run, lambda res=res: res["y"].block_until_ready(), timing,
                         what=f"jax fma loop {cdt} n={size} x{unrolled} x{iters}")
-            gf = 2.0 * size * unrolled * iters / m.median / 1e9  # type: ignore[operator]
+            flops = 2.0 * size * unrolled * iters
+            gf = flops / m.median / 1e9  # type: ignore[operator]  # measure() always samples
             roof.trials.append({"probe": "fma", "dtype": cdt, "n": size, "unrolled": unrolled,
                                 "iters": iters, "median_s": m.median, "gflops": gf})
             best = max(best, gf)

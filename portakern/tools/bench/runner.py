@@ -433,7 +433,7 @@ def run_case(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None]
                            not_run("interrupted", "Ctrl-C during this measurement").as_dict())
         rec["interrupted"] = True
         derive(rec, roof)
-        exc.record = rec  # type: ignore[attr-defined]
+        exc.record = rec  # type: ignore[attr-defined]  # the record rides on the interrupt
         raise
     finally:
         native = {}

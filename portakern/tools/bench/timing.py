@@ -190,6 +190,6 @@ def measure(fn: Callable[[], object], sync: Callable[[], object], cfg: TimingCon
     except KeyboardInterrupt as exc:
         m.status = "interrupted" if not m.samples else "ok"
         m.stopped_by = "interrupted"
-        exc.partial = m  # type: ignore[attr-defined]
+        exc.partial = m  # type: ignore[attr-defined]  # documented above: rides on the interrupt
         raise
     return m
