@@ -10,11 +10,21 @@ jax targets in a second process that way, so nothing target-independent runs twi
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from portakern import backends as registry
+
+# tests/ mirrors the package's folders; a few tables are shared between test modules of
+# different folders (test_errors.BAD_CALLS, test_ops.ALTERNATIVE_CONFIGS,
+# test_simulator.cases_for), so every folder is importable whichever file is collected first
+for _folder in sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir()
+                      and not p.name.startswith((".", "_"))):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=100, print_blob=True,

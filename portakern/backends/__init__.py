@@ -15,7 +15,7 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
-from .base import Availability, Backend
+from .base import Availability, Backend, missing_members
 
 IN_TREE: dict[str, str] = {
     "numpy": "portakern.backends.numpy:NumpyBackend",
@@ -149,7 +149,12 @@ def load(name: str) -> type[Backend] | Availability:
                         pass
             else:
                 cls = target.load()  # type: ignore[attr-defined]  # an EntryPoint
-            got = cls
+            missing = missing_members(cls)
+            got = cls if not missing else Availability(
+                False, f"the {name} backend class {getattr(cls, '__qualname__', cls)!r} does "
+                f"not implement the required members {', '.join(missing)}",
+                "implement them (docs/architecture.md, 'How to add a backend': a backend is "
+                "an allocator, a compiler and a program)")
         except Exception as exc:
             got = Availability(False, f"importing the {name} backend raised "
                                       f"{type(exc).__name__}: {exc}",

@@ -1,26 +1,36 @@
-"""The one protocol every backend implements.
+"""What every backend is: probing and a device, plus three small parts.
 
-A backend owns exactly: probing (usable here? if not, why and how to fix), devices, moving
-arrays in and out (counted), and executing a validated Problem — by compiling and launching
-the spec's rendered C kernel (``KernelBackend``) or by evaluating the spec's array-API
-semantics with its own array library (numpy, jax). It knows nothing about matmul or softmax
-beyond what the spec hands it.
+A backend owns exactly: probing (usable here? if not, why and how to fix), devices, and three
+parts, declared below as Protocols and enforced by the abstract base classes (a backend class
+that lacks one is refused when the registry loads it, not at its first call):
+
+* an **allocator** (``Allocator``): device arrays made, zeroed, uploaded and downloaded
+  (counted), and the device's memory limits;
+* a **compiler** (``Compiler``): rendered C source -> compiled kernels by entry-point name;
+* a **program** (``Program``): one compiled kernel with its launch geometry and scalar
+  arguments bound once, called with its buffer arguments to enqueue.
+
+An array backend (numpy, jax: ``ArrayBackend``) has no compiler or program: it evaluates the
+spec's array-API semantics with its own array library (``execute``). Nothing here knows an op;
+the checks and the launch loop are the runtime's (runtime/execute.py, runtime/plan.py).
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
+import inspect
 import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 
 from ..core import dtypes, settings
-from ..core.errors import UnsupportedDTypeError
+from ..core.errors import DeviceMemoryError, UnsupportedDTypeError
 from ..core.host import nbytes_of
 from ..core.lru import LRUCache  # also re-exported: plan, jax
 from ..core.spec import KernelSpec, Launch, Problem, storage_dtype
@@ -116,8 +126,56 @@ def _kernels_evicted() -> None:
         fn()
 
 
-class Backend:
-    """Base class. Subclasses set ``name`` and implement the abstract methods."""
+class Allocator(Protocol):
+    """Device memory. ``to_native`` uploads a host array, ``to_numpy`` downloads one (both
+    counted in ``transfers``); ``limits`` is what one allocation and all of them may take."""
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any: ...
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> Any: ...
+    def to_native(self, x: np.ndarray) -> Any: ...
+    def to_numpy(self, x: Any) -> np.ndarray: ...
+    def limits(self) -> MemoryLimits: ...
+
+
+class Compiler(Protocol):
+    """Rendered source -> {entry point: compiled kernel}; raises CompileError with the log."""
+
+    def compile(self, source: str, entry_points: tuple[str, ...]) -> Mapping[str, Any]: ...
+
+
+class Program(Protocol):
+    """One kernel launch with its geometry and scalar arguments bound once: called with the
+    buffer arguments (kernel arguments as ``buffer_arg`` gives them, in the order of the
+    template's buffer slots), it enqueues the kernel."""
+
+    def __call__(self, buffers: Sequence[Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """Bytes one allocation (``max_allocation``) and all of them (``total``) may take on the
+    device; None: not known (only the host budget is judged)."""
+
+    max_allocation: int | None = None
+    total: int | None = None
+
+
+class Step(NamedTuple):
+    """One launch of a plan: the ``program`` and the buffer each of its buffer slots takes
+    (``slots``: buffer names, in the order the program is called with). ``kernel``,
+    ``launch`` and ``template`` (buffer names as str, packed scalars) are kept for the tools
+    (the dispatch benchmark's raw baseline)."""
+
+    program: Program
+    slots: tuple[str, ...]
+    kernel: Any
+    launch: Launch
+    template: tuple[Any, ...]
+
+
+class Backend(abc.ABC):
+    """Probing, one device, and the allocator's array side. Subclasses set ``name`` and
+    implement the abstract members (the registry refuses a class that lacks one)."""
 
     name: ClassVar[str] = ""
     dialect: ClassVar[str | None] = None  # C dialect for KernelBackend subclasses
@@ -125,9 +183,41 @@ class Backend:
     # top-level modules whose array types this backend owns (automatic selection follows the
     # inputs: jax arrays go to jax, cupy arrays to cuda, pyopencl arrays to opencl)
     array_modules: ClassVar[tuple[str, ...]] = ()
+    supports_out: ClassVar[bool] = False  # may results be written into a caller's array?
+    # may the autotuner's stored entries choose this backend's kernel configs (configs.config_for)?
+    uses_tuned_configs: ClassVar[bool] = True
+    # the float64 reference every other backend is checked against (numpy)? `portakern bench`
+    # measures it as a peer, never as a target
+    oracle: ClassVar[bool] = False
     _probe_cache: ClassVar[dict[type, Availability]] = {}
 
-    # --- probing --------------------------------------------------------------------------
+    # --- required ------------------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def _probe(cls) -> Availability:
+        """Usable here? Availability with versions and devices, or the reason and the fix."""
+
+    @abc.abstractmethod
+    def _open(self, selector: str | None) -> DeviceInfo:
+        """Open the device a selector names (BackendUnavailable/UnknownBackendError if not)."""
+
+    @abc.abstractmethod
+    def is_native(self, x: object) -> bool:
+        """Is ``x`` this backend's own array type (no upload needed)?"""
+
+    @abc.abstractmethod
+    def to_native(self, x: np.ndarray) -> Any:
+        """Upload a host array (counted: ``self.transfers.add("h2d", nbytes)``)."""
+
+    @abc.abstractmethod
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """Download a native array (counted: ``self.transfers.add("d2h", nbytes)``)."""
+
+    @abc.abstractmethod
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """A zero-filled native array of a dtype name."""
+
+    # --- probing ---------------------------------------------------------------------------
     @classmethod
     def probe(cls) -> Availability:
         """Availability, versions and devices; cached per class (probing can be slow)."""
@@ -142,10 +232,6 @@ class Backend:
         return got
 
     @classmethod
-    def _probe(cls) -> Availability:
-        raise NotImplementedError
-
-    @classmethod
     def auto_choices(cls) -> list[tuple[int, str, str]]:
         """(score, selector, why) for automatic selection; higher score wins. Default: none."""
         return []
@@ -157,6 +243,12 @@ class Backend:
         successful probe; a selector it cannot make sense of is returned as is, for ``_open``
         to refuse with its own message. Default: unchanged."""
         return device
+
+    @classmethod
+    def opener(cls, selector: str | None) -> type[Backend]:
+        """The class whose instance serves a (canonical) selector: a backend may hand a
+        device to a subclass (OpenCL's opencl:oclgrind). Default: this class."""
+        return cls
 
     @classmethod
     def test_targets(cls) -> list[str]:
@@ -179,9 +271,6 @@ class Backend:
         self._lock = threading.RLock()
         self.transfers._lock = threading.Lock()
 
-    def _open(self, selector: str | None) -> DeviceInfo:
-        raise NotImplementedError
-
     @property
     def label(self) -> str:
         return f"{self.name}:{self.device.index}"
@@ -202,27 +291,20 @@ class Backend:
         ``maxsize``: for monitoring a long-running process, e.g. that the compiled-code
         caches stop growing once its shapes are warm. Every ``LRUCache`` the instance holds,
         named by its attribute (``_kernels`` -> ``kernels``: compiled programs on a C-kernel
-        backend; ``functions`` on jax; ``output_templates`` on opencl), as ``LRUCache.info``
-        gives it (also ``inserts`` and ``evictions``); a backend may add others (jax:
-        ``executables``)."""
+        backend; ``functions`` on jax), as ``LRUCache.info`` gives it (also ``inserts`` and
+        ``evictions``); a backend may add others (jax: ``executables``)."""
         return {name.lstrip("_"): value.info() for name, value in vars(self).items()
                 if isinstance(value, LRUCache)}
 
-    # --- arrays --------------------------------------------------------------------------
-    def is_native(self, x: object) -> bool:
-        raise NotImplementedError
-
-    def to_native(self, x: np.ndarray) -> Any:
-        raise NotImplementedError
-
-    def to_numpy(self, x: Any) -> np.ndarray:
-        raise NotImplementedError
-
-    def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
-        raise NotImplementedError
-
+    # --- optional hooks (defaults fit a host-memory array library) ---------------------------
     def synchronize(self) -> None:
-        """Block until queued work on this device has finished (benchmarks call it)."""
+        """Block until queued work on this device has finished (benchmarks call it).
+        Default: nothing queued (a synchronous array library)."""
+        return None
+
+    def limits(self) -> MemoryLimits:
+        """The device's memory limits (judged before a call allocates). Default: unknown."""
+        return MemoryLimits()
 
     def as_input(self, name: str, x: Any) -> Any:
         """A native, contiguous copy-free view when possible; numpy uploads are counted."""
@@ -234,9 +316,10 @@ class Backend:
         return self.to_native(arr)
 
     def prepare_native(self, name: str, x: Any) -> Any:
+        """Refuse a native array the kernels cannot use as it is (a foreign context, an
+        offset or strided view, a short buffer); return what to use. Default: as it is."""
         return x
 
-    # --- execution -----------------------------------------------------------------------
     def check_dtype(self, spec: KernelSpec, prob: Problem) -> None:
         sup = self.supported_dtypes()
         if prob.dtype not in sup:
@@ -246,18 +329,6 @@ class Backend:
                 f"{spec.name}: dtype {prob.dtype} cannot run on {self.describe()}, which supports "
                 f"{', '.join(sup)}. Fix: {fix}.")
 
-    supports_out: ClassVar[bool] = False  # may results be written into a caller's array?
-    # may the autotuner's stored entries choose this backend's kernel configs (tuned.config_for)?
-    uses_tuned_configs: ClassVar[bool] = True
-    # the float64 reference every other backend is checked against (numpy)? `portakern bench`
-    # measures it as a peer, never as a target
-    oracle: ClassVar[bool] = False
-
-    def check_config(self, spec: KernelSpec, prob: Problem, config: Mapping[str, int]) -> None:
-        """Refuse bad tunable overrides when a plan is made (before anything is uploaded).
-        Default: checked where they are used (``execute``)."""
-
-    # --- memory judged before it is spent ---------------------------------------------------
     def device_buffers(self, spec: KernelSpec, prob: Problem, present: Mapping[str, Any],
                        out: Any) -> list[tuple[str, int]]:
         """(what, bytes) of every buffer this call would allocate on the device, from the
@@ -273,10 +344,6 @@ class Backend:
                 parts.append((f"output {tuple(shape)} {dt}", n * storage_dtype(dt).itemsize))
         return parts
 
-    def check_device_buffers(self, spec: KernelSpec, parts: list[tuple[str, int]]) -> None:
-        """Refuse (DeviceMemoryError) what the device cannot allocate. Default: no limits
-        known beyond the host budget."""
-
     def device_scope(self) -> Any:
         """A context manager a call runs inside (CUDA: this device made current). Default:
         none needed."""
@@ -284,6 +351,7 @@ class Backend:
 
     def check_writable(self, spec: KernelSpec, out: Any) -> None:
         """Refuse an ``out=`` array the device may not write (default: nothing to check)."""
+        return None
 
     def memory_span(self, x: Any) -> tuple[Any, int, int] | None:
         """(memory object, first byte, end byte) of a native array, for the aliasing check;
@@ -312,41 +380,27 @@ class Backend:
     def fill_zero(self, out: Any) -> None:
         out.fill(0)
 
+
+class ArrayBackend(Backend):
+    """A backend that evaluates the spec's array-API semantics with its own array library
+    (numpy: the float64 oracle; jax: XLA and Pallas)."""
+
+    @abc.abstractmethod
     def execute(self, spec: KernelSpec, prob: Problem, ins: dict[str, Any],
                 config: Mapping[str, int] | None) -> Any:
-        raise NotImplementedError
-
-
-
-
-class LaunchPlan(list):
-    """[(compiled kernel, Launch, argument template)] in launch order, plus the workspace
-    buffers {name: (elements, dtype)} each call allocates (KernelSpec.workspace) and, per
-    launch, a ``steps`` entry (launcher, template, buffer slots): the backend's bound enqueue
-    of that kernel (``KernelBackend.launcher``), and where its template names a buffer
-    ((position, name), ...): a call copies the template and fills those in, instead of
-    testing every argument."""
-
-    workspace: dict[str, tuple[int, str]]
-    steps: list[tuple[Any, list[Any], tuple[tuple[int, str], ...]]]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.workspace = {}
-        self.steps = []
-
-    def add(self, kernel: Any, launch: Launch, template: list[Any], launcher: Any) -> None:
-        self.append((kernel, launch, template))
-        self.steps.append((launcher, template, tuple((i, a) for i, a in enumerate(template)
-                                                     if a.__class__ is str)))
+        """The op's result(s) on checked native operands ``ins``."""
 
 
 class KernelBackend(Backend):
-    """A backend that compiles the spec's C kernel in its dialect and launches it."""
+    """A backend that compiles the spec's C kernel in its dialect and launches it: the
+    allocator's ``empty`` and ``buffer_arg``, the compiler's ``compile`` and ``program``
+    (required), plus hooks the runtime and the tools use when offered."""
 
     supports_out = True
-    # the usual native array class, tested by identity before ``is_native`` on the hot path
-    native_type: ClassVar[type | None] = None
+    # one in-order queue shared by every call, whose launches the runtime enqueues under
+    # this instance's lock: a plan may then keep a small workspace across calls (no other
+    # call can run between a kernel that writes it and the one that reads it)
+    in_order_queue: ClassVar[bool] = False
 
     def __init__(self, selector: str | None = None) -> None:
         super().__init__(selector)
@@ -354,101 +408,54 @@ class KernelBackend(Backend):
         # #defines, so every new D would otherwise keep one more program for good. An
         # eviction drops the runtime's plans too (they hold the evicted program's kernels).
         self._kernels: LRUCache = LRUCache(KERNEL_CACHE_SIZE, _kernels_evicted)
+        # the lock one call's launches are enqueued under (runtime/execute.enqueue_steps)
+        self.launch_lock: Any = self._lock
 
-    def check_config(self, spec: KernelSpec, prob: Problem, config: Mapping[str, int]) -> None:
-        """Overrides are checked against the tunables' domains and the spec's own check."""
-        spec.config(self.device_class, config, prob)
+    def after_fork_in_child(self) -> None:
+        super().after_fork_in_child()
+        self.launch_lock = self._lock
 
-    # subclass API
-    def compile(self, source: str, entry_points: tuple[str, ...]) -> dict[str, Any]:
-        """Compile rendered source; return entry name -> launchable. Raise CompileError."""
-        raise NotImplementedError
-
+    # --- required ------------------------------------------------------------------------
+    @abc.abstractmethod
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
-        raise NotImplementedError
+        """An uninitialised native array of a dtype name (an output, a workspace)."""
 
-    def enqueue(self, kernel: Any, launch: Launch, args: list[Any]) -> None:
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def buffer_arg(self, x: Any) -> Any:
-        raise NotImplementedError
+        """The kernel argument of a native array (what a Program is called with)."""
 
-    def launcher(self, kernel: Any, launch: Launch) -> Any:
-        """A callable ``f(args)`` that enqueues ``kernel`` with ``args``, made once per plan.
-        Default: ``enqueue`` itself; a backend may bind what it can ahead of the call."""
-        enqueue = self.enqueue
+    @abc.abstractmethod
+    def compile(self, source: str, entry_points: tuple[str, ...]) -> Mapping[str, Any]:
+        """Compile rendered source; return entry name -> kernel. Raise CompileError."""
 
-        def launch_it(args: list[Any]) -> None:
-            enqueue(kernel, launch, args)
+    @abc.abstractmethod
+    def program(self, kernel: Any, launch: Launch, template: Sequence[Any]) -> Program:
+        """The Program of one launch: ``template`` holds buffer names (str) and packed
+        scalars (numpy scalars), bound here once; the Program is called with the buffers."""
 
-        return launch_it
-
-    # fast per-call checks: the Plan layer's runner (runtime/plan.py) uses them when offered
-    def native_checker(self, shape: tuple[int, ...], dtype: Any
-                       ) -> Callable[[Any], Any] | None:
-        """A callable ``check(x)`` for operands of exactly this shape and dtype (the plan key
-        fixed both): ``x``'s kernel argument when ``x`` may be used as it is (this device or
-        context, contiguous, no offset, a buffer holding every byte), else None, and the call
-        then takes ``execute.run``, which checks again and raises the precise error. None: no
-        fast checks on this backend (every call takes ``execute.run``)."""
+    # --- optional hooks ----------------------------------------------------------------------
+    def argument_checker(self, shape: tuple[int, ...], dtype: Any, writable: bool = False
+                         ) -> Callable[[Any], Any] | None:
+        """The planned runner's fast check (runtime/plan.py) for arrays of exactly this shape
+        and dtype (the plan key fixed an operand's; an ``out=``'s are checked here too): a
+        callable ``check(x)`` giving ``x``'s kernel argument when ``x`` may be used as it is
+        (this device or context, contiguous, no offset, a buffer holding every byte, and
+        writable when asked), else None, and the call then takes the checked path, which
+        checks again and raises the precise error. Kernel arguments must compare equal
+        exactly when they are the same memory (the runner's aliasing test). None: no fast
+        path on this backend."""
         return None
-
-    def output_checker(self, shape: tuple[int, ...], dtype: str) -> Callable[[Any], Any] | None:
-        """Like ``native_checker`` for an ``out=`` array of this shape and dtype name, which
-        must also be writable. Kernel arguments must compare equal exactly when they are the
-        same device memory (the runner's aliasing test)."""
-        return None
-
-    def sequence_launcher(self, plan: LaunchPlan, index: Mapping[str, int]
-                          ) -> Callable[[list[Any]], None]:
-        """A callable ``launch_all(handles)`` enqueueing every launch of ``plan`` in order,
-        where a launch's buffer argument named ``n`` is ``handles[index[n]]`` (a kernel
-        argument, as ``native_checker``/``buffer_arg``/``scratch`` give). Made once per plan
-        by the Plan layer's runner. Raises KeyError when a template names a buffer ``index``
-        lacks. Default: the per-launch ``launcher``s in turn."""
-        steps = [(launcher, template, tuple((i, index[n]) for i, n in slots))
-                 for launcher, template, slots in plan.steps]
-
-        def launch_all(handles: list[Any]) -> None:
-            for launcher, template, slots in steps:
-                args = template.copy()
-                for i, j in slots:
-                    args[i] = handles[j]
-                launcher(args)
-
-        return launch_all
-
-    def output_maker(self, shape: tuple[int, ...], dtype: str) -> Callable[[], tuple[Any, Any]]:
-        """A callable making a new output array of this shape and dtype name: (the array, its
-        kernel argument). Default: ``empty`` and ``buffer_arg``."""
-        empty, buffer_arg = self.empty, self.buffer_arg
-
-        def make() -> tuple[Any, Any]:
-            arr = empty(shape, dtype)
-            return arr, buffer_arg(arr)
-
-        return make
-
-    def reusable_workspace(self) -> bool:
-        """Whether a plan may keep its workspace buffers across calls: true only where one
-        call's launches are enqueued as one uninterrupted sequence (``sequence_launcher``
-        under a lock) on one in-order queue, so no other call can run between a kernel that
-        writes the workspace and the kernel that reads it. Default: False (made per call)."""
-        return False
-
-    def scratch(self, nbytes: int) -> Any:
-        """A device buffer of ``nbytes`` bytes as a kernel argument: a plan's workspace."""
-        raise NotImplementedError
 
     def kernel_limits(self, kernel: Any) -> tuple[int | None, int | None]:
         """(local memory bytes, largest work-group) the driver reports for one compiled kernel
         (the tuner skips configs beyond them); (None, None) when this backend cannot tell."""
         return None, None
 
-    def raw_launcher(self, kernel: Any, launch: Launch, args: list[Any]) -> Any:
-        """A zero-argument callable that enqueues ``kernel`` with ``args`` through the device
-        API itself, as a user of that API would (no lock, no checks): the baseline of the
-        dispatch benchmark (bench/dispatch.py). None: this backend has no raw API to offer."""
+    def raw_launcher(self, kernel: Any, launch: Launch, template: Sequence[Any],
+                     buffers: Mapping[str, Any]) -> Callable[[], None] | None:
+        """A zero-argument callable that enqueues ``kernel`` through the device API itself, as
+        a user of that API would, with the scalars set once and the buffers set per call (no
+        lock, no checks): the dispatch benchmark's baseline. None: not offered."""
         return None
 
     def held_queue(self) -> Any:
@@ -458,19 +465,15 @@ class KernelBackend(Backend):
         OpenCL device) cannot slow the host down while it is timed. None: not offered."""
         return None
 
-    def declare_arguments(self, kernel: Any, template: Sequence[Any]) -> None:
-        """Tell the device API the argument kinds of ``kernel`` once, when a plan is built
-        (``template``: buffer names as str, scalars as numpy scalars), so the per-call argument
-        setting is a pack, not a type probe. Default: nothing to declare."""
-
-    # shared machinery
+    # --- shared machinery --------------------------------------------------------------------
     def kernels_for(self, spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]
-                    ) -> dict[str, Any]:
+                    ) -> Mapping[str, Any]:
+        """The spec's compiled kernels for a problem and configuration, cached per rendered
+        source's inputs (LRU-bounded)."""
         slots = spec.slots(prob)
         defs = spec.defines(prob, cfg)
         slot_key = tuple(sorted((k, dtypes.dtype_name(v)) for k, v in slots.items()))
-        key = (spec.name, spec.token, slot_key,
-               tuple(sorted(defs.items())))
+        key = (spec.name, spec.token, slot_key, tuple(sorted(defs.items())))
         got = self._kernels.get(key)
         if got is None:
             with self._lock:
@@ -481,6 +484,42 @@ class KernelBackend(Backend):
                     self._kernels[key] = got
         return got
 
+
 def kernel_entry_points(spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]) -> tuple[str, ...]:
     """Entry points a spec launches; read from its launch plan for this problem."""
     return tuple(sorted({la.kernel for la in spec.launches(prob, cfg)}))
+
+
+def missing_members(cls: type) -> list[str]:
+    """The required members a backend class does not implement (empty: complete). The
+    registry refuses a class with any, naming them, when it loads it."""
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        return ["(not a subclass of portakern.backends.base.Backend)"]
+    if not inspect.isabstract(cls):
+        return []
+    return sorted(getattr(cls, "__abstractmethods__", ()))
+
+
+def check_memory_limits(be: Backend, spec: KernelSpec, parts: list[tuple[str, int]]) -> None:
+    """Refuse (DeviceMemoryError) what the device cannot allocate, by its ``limits``: each
+    buffer at most one allocation, all of them at most the device's memory; judged before
+    anything is copied or allocated (PoCL would otherwise abort on a failed host
+    allocation, or silently overcommit)."""
+    lim = be.limits()
+    max_alloc, total_mem = lim.max_allocation, lim.total
+    total = 0
+    for what, n in parts:
+        total += n
+        if max_alloc is not None and n > max_alloc:
+            raise DeviceMemoryError(
+                f"{spec.name}: the {what} needs {n} bytes in one buffer, more than the "
+                f"{max_alloc} bytes {be.describe()} allows in one allocation "
+                f"(max_mem_alloc_size; global memory {total_mem} bytes). Nothing was "
+                "allocated. Fix: split the call into smaller pieces (e.g. over the "
+                "batch), or use a device with larger allocations.")
+    if total_mem is not None and total > total_mem:
+        raise DeviceMemoryError(
+            f"{spec.name}: the call needs {total} bytes of device memory ("
+            + "; ".join(f"{w}: {n}" for w, n in parts)
+            + f"), more than the {total_mem} bytes of global memory of {be.describe()}."
+            " Nothing was allocated. Fix: split the call into smaller pieces.")

@@ -55,7 +55,7 @@ import hashlib
 import importlib.util
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -416,30 +416,87 @@ class CudaBackend(KernelBackend):
         shared, most = kernel.shared_bytes, kernel.max_threads
         return (int(shared) if shared else None), (int(most) if most else None)
 
-    def raw_launcher(self, kernel: Any, launch: Launch, args: list[Any]) -> Any:
-        fn, grid, block, argv = kernel.fn, tuple(launch.groups), tuple(launch.local), tuple(args)
-
-        def launch_raw() -> None:  # the cupy Function call; the caller makes the device current
-            fn(grid, block, argv)
-
-        return launch_raw
-
-    def enqueue(self, kernel: Any, launch: Launch, args: list[Any]) -> None:
+    def program(self, kernel: Any, launch: Launch, template: Sequence[Any]) -> Any:
+        """The cupy Function with its grid, block and scalar arguments bound once; a call
+        fills in the buffers and launches with this device made current."""
         threads = launch.local[0] * launch.local[1] * launch.local[2]
         if kernel.max_threads and threads > kernel.max_threads:
             raise InvalidArgumentError(
                 f"kernel {launch.kernel!r}: a block of {threads} threads {launch.local} exceeds "
                 f"the {kernel.max_threads} this compiled kernel allows on {self.describe()} "
                 f"({kernel.num_regs} registers per thread); lower the work-group tunables.")
-        with self._cp_device:
+        return _Program(kernel.fn, launch, template, self._cp_device, self.describe())
+
+    def argument_checker(self, shape: tuple[int, ...], dtype: Any, writable: bool = False
+                         ) -> Any:
+        """A CuPy array of exactly this shape's C strides and this dtype, on this device, is
+        its own kernel argument (``buffer_arg``; a contiguous view passes its own pointer);
+        anything else (another device, strided, a
+        foreign ``__cuda_array_interface__`` array) takes the checked path. ``out=`` arrays
+        (``writable``) always take the checked path: CuPy arrays compare elementwise, not by
+        memory, so the runner's aliasing test could not use them; its full test (by device
+        pointer, ``memory_span``) runs there."""
+        if writable:
+            return None
+        if cp is None or not int(np.prod(shape, dtype=np.int64)):
+            return None
+        st = self._device_dtype(np.dtype(dtype))
+        strides, cls, dev = _c_strides(shape, st.itemsize), cp.ndarray, self.device.index
+
+        def check(x: Any) -> Any:
+            if x.__class__ is cls and x.strides == strides and x.dtype == st \
+                    and x.device.id == dev:
+                return x
+            return None
+
+        return check
+
+    def raw_launcher(self, kernel: Any, launch: Launch, template: Sequence[Any],
+                     buffers: Mapping[str, Any]) -> Any:
+        fn, grid, block = kernel.fn, tuple(launch.groups), tuple(launch.local)
+        argv = tuple(buffers[a] if a.__class__ is str else a for a in template)
+
+        def launch_raw() -> None:  # the cupy Function call; the caller makes the device current
+            fn(grid, block, argv)
+
+        return launch_raw
+
+
+class _Program:
+    """One CUDA launch: the scalars sit in an argument list made once; a call puts the
+    buffers in their positions and calls the cupy Function inside the device's scope."""
+
+    __slots__ = ("fn", "launch", "grid", "block", "args", "positions", "device", "label")
+
+    def __init__(self, fn: Any, launch: Launch, template: Sequence[Any], device: Any,
+                 label: str) -> None:
+        self.fn, self.launch, self.device, self.label = fn, launch, device, label
+        self.grid, self.block = tuple(launch.groups), tuple(launch.local)
+        self.args = list(template)
+        self.positions = tuple(i for i, a in enumerate(template) if a.__class__ is str)
+
+    def __call__(self, buffers: Sequence[Any]) -> None:
+        args = self.args.copy()
+        for i, b in zip(self.positions, buffers):
+            args[i] = b
+        with self.device:
             try:
-                kernel.fn(tuple(launch.groups), tuple(launch.local), tuple(args))
+                self.fn(self.grid, self.block, tuple(args))
             except Exception as exc:
                 if hasattr(exc, "add_note"):
-                    exc.add_note(f"portakern: launching {launch.kernel!r} with grid "
-                                 f"{launch.groups} and block {launch.local} on "
-                                 f"{self.describe()}")
+                    exc.add_note(f"portakern: launching {self.launch.kernel!r} with grid "
+                                 f"{self.launch.groups} and block {self.launch.local} on "
+                                 f"{self.label}")
                 raise
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """The strides CuPy gives a C-contiguous array of this shape."""
+    out, step = [], itemsize
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(int(d), 1)
+    return tuple(reversed(out))
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,13 @@ from ..core.errors import (
 )
 from ..core.host import native_byte_order
 from ..core.spec import KernelSpec, Problem, storage_dtype
-from .base import FUNCTION_CACHE_SIZE, Availability, Backend, DeviceInfo, LRUCache
+from .base import (
+    FUNCTION_CACHE_SIZE,
+    ArrayBackend,
+    Availability,
+    DeviceInfo,
+    LRUCache,
+)
 
 try:  # optional dependency: guarded, with an install hint in the availability record
     import jax
@@ -198,7 +204,7 @@ def _freeze(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
                         for k, v in params.items()))
 
 
-class JaxBackend(Backend):
+class JaxBackend(ArrayBackend):
     name = "jax"
     array_modules = ("jax", "jaxlib")
     install_hint = INSTALL_HINT

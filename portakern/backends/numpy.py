@@ -15,10 +15,10 @@ import numpy as np
 from ..core import dtypes
 from ..core.host import host_operand, nbytes_of
 from ..core.spec import KernelSpec, Problem, storage_dtype
-from .base import Availability, Backend, DeviceInfo
+from .base import ArrayBackend, Availability, DeviceInfo
 
 
-class NumpyBackend(Backend):
+class NumpyBackend(ArrayBackend):
     name = "numpy"
     oracle = True
     install_hint = "numpy is a hard dependency; reinstall portakern"

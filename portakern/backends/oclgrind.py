@@ -44,7 +44,7 @@ import sys
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -448,6 +448,7 @@ class OclgrindBackend(OpenCLBackend):
     """``opencl:oclgrind``: the OpenCL backend on the simulator, every launch checked."""
 
     simulator = True
+    in_order_queue = False  # a fresh, poisoned workspace per call: uninitialised reads show
     # always the spec's schedules, never a tuned entry: what the sweep and trace claim to check
     uses_tuned_configs = False
 
@@ -554,17 +555,27 @@ class OclgrindBackend(OpenCLBackend):
             k._portakern_source = source  # reports quote the rendered line
         return got
 
-    def enqueue(self, kernel: Any, launch: Launch, args: list[Any]) -> None:
+    def program(self, kernel: Any, launch: Launch, template: Sequence[Any]) -> Any:
+        """The OpenCL program, each call checked: see ``_checked_launch``."""
+        inner = super().program(kernel, launch, template)
+        source = getattr(kernel, "_portakern_source", "")
+
+        def run(buffers: Sequence[Any]) -> None:
+            self._checked_launch(inner, launch, source, buffers)
+
+        return run
+
+    def _checked_launch(self, inner: Any, launch: Launch, source: str,
+                        buffers: Sequence[Any]) -> None:
         """Launch, wait for it, and raise KernelFaultError on any report. The simulator prints
         API errors to stderr only (OCLGRIND_CHECK_API), so stderr is captured around the API
         calls; its other text is passed on."""
-        source = getattr(kernel, "_portakern_source", "")
         with self._lock:
             err: list[str] = []
             failure: BaseException | None = None
             with _environment({"OCLGRIND_CHECK_API": "1"}), _captured(2, err):
                 try:
-                    super().enqueue(kernel, launch, args)
+                    inner(buffers)
                 except cl.Error as exc:
                     if _is_allocation_failure(exc):
                         raise

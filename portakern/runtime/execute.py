@@ -10,25 +10,81 @@ for every backend, so none can forget a check. Backends supply only the primitiv
 use (``is_native``, ``prepare_native``, ``memory_span``, ``check_writable``,
 ``check_device_buffers``, ``empty``/``zeros``, ``kernels_for``, ``launcher``, ...).
 
-Also here: ``build_launches``, which turns a plan's problem and kernel configuration into
-compiled kernels, geometry and packed scalar arguments (``LaunchPlan``).
+Also here: the ``Plan`` itself (what a call needs but its arrays; cached by runtime/plan.py),
+its compilation into ``Step``s (a backend Program each, with its buffer slots: the kernel
+configuration is chosen here, above the backends, by ``configs.config_for``), and
+``enqueue_steps``, the one launch loop both this checked path and the planned runner use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..backends.base import Backend, KernelBackend, LaunchPlan
+from ..backends.base import ArrayBackend, Backend, KernelBackend, Program, Step, check_memory_limits
 from ..core import dtypes
 from ..core.errors import AliasingError, DTypeError, InvalidArgumentError, ShapeError
 from ..core.host import check_host_memory, host_copy_bytes, host_operands
 from ..core.spec import Buf, KernelSpec, Problem, Scalar, storage_dtype
+from . import configs
 
 
-def run(plan: Any, arrays: Mapping[str, Any], out: Any = None) -> Any:
+@dataclass(eq=False)
+class Plan:
+    """What a call needs once its metadata were validated for one backend: everything but
+    the arrays. ``steps`` are compiled at the plan's first run, after that call's checks
+    passed (a refused call compiles nothing: ``compile``); they stay empty on array backends
+    (numpy, jax: they evaluate the spec's semantics) and for an empty result. ``runner`` is
+    the per-call code runtime/plan.py makes after the first run succeeded."""
+
+    spec: KernelSpec
+    backend: Backend
+    problem: Problem
+    config: dict[str, int] | None  # the caller's overrides (None: tuned or default)
+    generation: int  # configs.GENERATION when planned
+    compiled: bool = False
+    steps: tuple[Step, ...] = ()  # the launches, in order
+    workspace: dict[str, tuple[int, str]] = field(default_factory=dict)  # name: (n, dtype)
+    # every buffer a launch may name, in the order handles are passed to ``enqueue_steps``:
+    # the operands present (spec order), the outputs, the workspace
+    buffer_names: tuple[str, ...] = ()
+    indexed: tuple[tuple[Program, tuple[int, ...]], ...] = ()  # steps with slot indices
+    runner: Callable[[Sequence[Any], Mapping[str, Any], Any], Any] | None = None
+
+    def compile(self, present: Sequence[str]) -> None:
+        """Choose the kernel configuration (the caller's overrides, else the tuner's entry for
+        this device and problem bucket, else the spec's schedule) and build the steps, once;
+        ``present``: the names of the operands the call passes."""
+        if self.compiled:
+            return
+        be, spec, prob = self.backend, self.spec, self.problem
+        if isinstance(be, KernelBackend) and not prob.empty_result:
+            cfg = configs.config_for(be, spec, prob, self.config)
+            self.steps, self.workspace = build_steps(be, spec, prob, cfg)
+            names = [n for n in spec._operand_names if n in present]
+            names += list(prob.output_specs) if prob.outputs is not None else ["out"]
+            names += list(self.workspace)
+            index = {n: i for i, n in enumerate(names)}
+            self.buffer_names = tuple(names)
+            self.indexed = tuple((s.program, tuple(index[n] for n in s.slots))
+                                 for s in self.steps)
+        self.compiled = True
+
+
+def enqueue_steps(be: KernelBackend, indexed: Sequence[tuple[Program, tuple[int, ...]]],
+                  handles: Sequence[Any]) -> None:
+    """The one launch loop: every step's program called with its buffers (``handles``: kernel
+    arguments in ``Plan.buffer_names`` order), all under the backend's lock, so one call's
+    launches stay together on an in-order queue."""
+    with be.launch_lock:
+        for program, slots in indexed:
+            program([handles[j] for j in slots])
+
+
+def run(plan: Plan, arrays: Mapping[str, Any], out: Any = None) -> Any:
     """Execute a call planned by portakern.runtime.plan (``plan``: a Plan, whose problem was
     validated and dtype-checked for this backend). numpy in -> numpy out; native in ->
     native out.
@@ -60,7 +116,7 @@ def _as_dtype(res: np.ndarray, dtype: str) -> np.ndarray:
     return res
 
 
-def _run(be: Backend, plan: Any, arrays: Mapping[str, Any], out: Any) -> Any:
+def _run(be: Backend, plan: Plan, arrays: Mapping[str, Any], out: Any) -> Any:
     spec, prob = plan.spec, plan.problem
     is_native = be.is_native
     present: dict[str, Any] = {}
@@ -111,7 +167,7 @@ def check_memory(be: Backend, spec: KernelSpec, prob: Problem, present: Mapping[
                 if not be.is_native(v)]
     except (TypeError, ValueError, AttributeError):
         return  # an operand without a real shape: host_operand refuses it next
-    be.check_device_buffers(spec, dev)
+    check_memory_limits(be, spec, dev)
     if be.device.kind == "cpu":
         host += dev
     check_host_memory(f"{spec.name} on {be.label}", host)
@@ -199,17 +255,29 @@ def check_no_alias(be: Backend, spec: KernelSpec, out: Any, operands: Any) -> No
                 "one, or drop out= and use the returned array.")
 
 
-def execute_plan(be: Backend, plan: Any, ins: dict[str, Any], out: Any) -> Any:
+def execute_plan(be: Backend, plan: Plan, ins: dict[str, Any], out: Any) -> Any:
     """Run a plan on checked native operands ``ins``: a C-kernel backend launches the plan's
-    kernels (compiled at the plan's first run, after that call's checks passed:
-    ``plan.compile()``, where the Plan layer chooses the configuration); an array backend
-    (numpy, jax; no ``out=``) evaluates the spec's semantics through its ``execute``."""
-    if not isinstance(be, KernelBackend):
+    steps (compiled at the plan's first run, after that call's checks passed); an array
+    backend (numpy, jax; no ``out=``) evaluates the spec's semantics through ``execute``."""
+    if isinstance(be, ArrayBackend):
         return be.execute(plan.spec, plan.problem, ins, plan.config)
-    launches = plan.launches
-    if launches is None:
-        launches = plan.compile()
-    return launch(be, launches, dict(ins), out, plan.problem)
+    assert isinstance(be, KernelBackend)
+    plan.compile(tuple(ins))
+    prob = plan.problem
+    bufs = dict(ins)
+    if prob.outputs is None:
+        if out is None:
+            out = be.empty(prob.out_shape, prob.dtype)
+        bufs["out"] = out
+    else:  # several outputs, each its own buffer by name; returned as a tuple
+        if out is None:
+            out = tuple([be.empty(shape, dt) for shape, dt in prob.outputs.values()])
+        bufs.update(zip(prob.outputs, out))
+    for name, (n, dt) in plan.workspace.items():  # per call: calls may run at once
+        bufs[name] = be.empty((n,), dt)
+    buffer_arg = be.buffer_arg
+    enqueue_steps(be, plan.indexed, [buffer_arg(bufs[n]) for n in plan.buffer_names])
+    return out
 
 
 def scalar(s: Scalar, prob: Problem) -> Any:
@@ -220,49 +288,25 @@ def scalar(s: Scalar, prob: Problem) -> Any:
     raise InvalidArgumentError(f"unknown scalar ctype {s.ctype!r}; expected 'int' or 'acc'.")
 
 
-def launch(be: KernelBackend, plan: LaunchPlan, bufs: dict[str, Any], out: Any,
-           prob: Problem) -> Any:
-    """Enqueue a plan's kernels on ``bufs`` (operands by name, filled in with ``out`` and
-    the workspace); return the output array."""
-    outputs = prob.outputs
-    if outputs is None:
-        if out is None:
-            out = be.empty(prob.out_shape, prob.dtype)
-        bufs["out"] = out
-    else:  # several outputs, each its own buffer by name; returned as a tuple
-        if out is None:
-            out = tuple([be.empty(shape, dt) for shape, dt in outputs.values()])
-        bufs.update(zip(outputs, out))
-    if plan.workspace:
-        for name, (n, dt) in plan.workspace.items():  # per call: calls may run at once
-            bufs[name] = be.empty((n,), dt)
-    buffer_arg = be.buffer_arg
-    for launcher, template, slots in plan.steps:
-        args = template.copy()
-        for i, name in slots:
-            args[i] = buffer_arg(bufs[name])
-        launcher(args)
-    return out
-
-
-def build_launches(be: KernelBackend, spec: KernelSpec, prob: Problem,
-                   cfg: Mapping[str, int]) -> LaunchPlan:
+def build_steps(be: KernelBackend, spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]
+                ) -> tuple[tuple[Step, ...], dict[str, tuple[int, str]]]:
     """Compiled kernels + launch geometry + packed scalar arguments for a problem and a
-    complete kernel configuration ``cfg`` (the Plan layer's choice: tuned.config_for),
-    once per plan: a repeated call skips rendering, config lookups and argument packing."""
+    complete kernel configuration ``cfg``, once per plan: the steps (a backend Program each,
+    its scalars bound once) and the workspace buffers {name: (elements, dtype)}."""
     kernels = be.kernels_for(spec, prob, cfg)
-    plan = LaunchPlan()
+    workspace: dict[str, tuple[int, str]] = {}
     if spec.workspace is not None:
-        plan.workspace = {k: (int(n), str(dt)) for k, (n, dt)
-                          in spec.workspace(prob, cfg).items()}
+        workspace = {k: (int(n), str(dt)) for k, (n, dt) in spec.workspace(prob, cfg).items()}
+    steps = []
     for launch in spec.launches(prob, cfg):
         wg = launch.local[0] * launch.local[1] * launch.local[2]
         if wg > be.device.max_work_group_size:
             raise InvalidArgumentError(
                 f"{spec.name}: work-group of {wg} items ({launch.local}) exceeds "
                 f"{be.device.max_work_group_size} on {be.describe()}; lower the tunables.")
-        template = [a.name if isinstance(a, Buf) else scalar(a, prob) for a in launch.args]
+        template = tuple(a.name if isinstance(a, Buf) else scalar(a, prob) for a in launch.args)
         kernel = kernels[launch.kernel]
-        be.declare_arguments(kernel, template)
-        plan.add(kernel, launch, template, be.launcher(kernel, launch))
-    return plan
+        slots = tuple(a for a in template if a.__class__ is str)
+        steps.append(Step(be.program(kernel, launch, template), slots, kernel, launch,
+                          template))
+    return tuple(steps), workspace

@@ -20,55 +20,21 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .. import backends as registry
 from ..backends import base
-from ..backends.base import Backend, KernelBackend, LaunchPlan, LRUCache
+from ..backends.base import Backend, KernelBackend
 from ..core import settings
 from ..core.errors import InvalidArgumentError
-from ..core.spec import KernelSpec, Problem, storage_dtype
+from ..core.lru import LRUCache
+from ..core.spec import KernelSpec, storage_dtype
 from . import configs, execute, selection
+from .execute import Plan, enqueue_steps
 
 PLAN_CACHE_SIZE = 4096  # distinct (op, shapes, params, target) of a long-running process
-
-
-@dataclass(eq=False)
-class Plan:
-    """What a call needs once its metadata were validated for one backend: everything but
-    the arrays. ``launches`` is filled in at the plan's first run, after that call's checks
-    passed (a refused call compiles nothing; ``execute.run`` asks for it through
-    ``compile``); it stays None on array backends (numpy, jax: they evaluate the spec's
-    semantics) and for an empty result. ``runner`` is made after the first run succeeded."""
-
-    spec: KernelSpec
-    backend: Backend
-    problem: Problem
-    config: dict[str, int] | None  # the caller's overrides (None: tuned or default)
-    launches: LaunchPlan | None
-    generation: int  # configs.GENERATION when planned
-    # the per-call code of a C-kernel plan (``_runner``), made after its first run succeeded
-    runner: Callable[[Sequence[Any], Mapping[str, Any], Any], Any] | None = None
-
-    @property
-    def workspace(self) -> dict[str, tuple[int, str]]:
-        return self.launches.workspace if self.launches is not None else {}
-
-    def compile(self) -> LaunchPlan | None:
-        """The launches, compiled at the first call: the kernel configuration is chosen here,
-        above the backends (the tuner's entry for this device and problem bucket, else the
-        spec's schedule; a caller's overrides win), and handed to ``build_launches``."""
-        launches = self.launches
-        if launches is None and not self.problem.empty_result:
-            be, spec, prob = self.backend, self.spec, self.problem
-            if not isinstance(be, KernelBackend):  # an array backend: nothing to compile
-                return None
-            cfg = configs.config_for(be, spec, prob, self.config)
-            launches = self.launches = execute.build_launches(be, spec, prob, cfg)
-        return launches
 
 
 PLANS: LRUCache = LRUCache(PLAN_CACHE_SIZE)
@@ -121,9 +87,9 @@ def make_plan(be: Backend, spec: KernelSpec, arrays: Mapping[str, Any],
     prob = spec.problem(arrays, params)
     be.check_dtype(spec, prob)
     cfg = dict(config) if config else None
-    if cfg:
-        be.check_config(spec, prob, cfg)
-    return Plan(spec, be, prob, cfg, None, gen)
+    if cfg and isinstance(be, KernelBackend):  # the tunables' domains, the spec's own check
+        spec.config(be.device_class, cfg, prob)  # (array backends check where they use it)
+    return Plan(spec, be, prob, cfg, gen)
 
 
 def _check_config(spec: KernelSpec, config: Any) -> None:
@@ -133,17 +99,21 @@ def _check_config(spec: KernelSpec, config: Any) -> None:
             f"{{'TM': 4}}; got {type(config).__name__} {str(config)[:60]!r}. Pass a dict.")
 
 
-def _planned(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
-             backend: str | Backend | None, config: Mapping[str, int] | None
-             ) -> tuple[Plan, tuple | None, dict[str, Any] | None]:
-    """(plan, its key or None when uncacheable, the bound operands when they were bound)."""
+def _key(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
+         backend: str | Backend | None, config: Mapping[str, int] | None
+         ) -> tuple[tuple | None, Plan | None]:
+    """(the plan key or None when uncacheable, the cached plan or None)."""
     try:
-        key: tuple | None = plan_key(spec, args, kwargs, backend, config)
-        plan = PLANS.lookup(key)
+        key = plan_key(spec, args, kwargs, backend, config)
+        return key, PLANS.lookup(key)
     except (AttributeError, TypeError):  # no shape/dtype, or unhashable: validate, no cache
-        key = plan = None
-    if plan is not None:
-        return plan, key, None
+        return None, None
+
+
+def _planned(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
+             backend: str | Backend | None, config: Mapping[str, int] | None,
+             key: tuple | None) -> tuple[Plan, dict[str, Any]]:
+    """A new plan (cached under ``key`` unless None) and the bound operands."""
     try:
         be = selection.resolve(backend, args)
     except Exception:  # validation speaks first: a bad call never reaches a backend
@@ -156,7 +126,7 @@ def _planned(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
     if key is not None:
         with _LOCK:
             PLANS[key] = plan
-    return plan, key, arrays
+    return plan, arrays
 
 
 def plan_for(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any], *,
@@ -164,8 +134,12 @@ def plan_for(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any], *
              config: Mapping[str, int] | None = None) -> Plan:
     """The plan a call ``spec(*args, **kwargs)`` uses (made, compiled and cached if absent):
     the benchmark launches its kernels raw (bench/dispatch.py); tests inspect it."""
-    plan = _planned(spec, args, kwargs, backend, config)[0]
-    plan.compile()
+    key, plan = _key(spec, args, kwargs, backend, config)
+    if plan is None:
+        plan, arrays = _planned(spec, args, kwargs, backend, config, key)
+    else:
+        arrays = _arrays(spec, args, kwargs)
+    plan.compile(tuple(k for k, v in arrays.items() if v is not None))
     return plan
 
 
@@ -173,20 +147,18 @@ def dispatch(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
              backend: str | Backend | None, config: Mapping[str, int] | None, out: Any) -> Any:
     """Every call's one path: one lookup when repeated, then the plan's runner (or, for what
     it does not take, the backend's fully checked run)."""
-    try:
-        plan = PLANS.lookup(plan_key(spec, args, kwargs, backend, config))
-    except (AttributeError, TypeError):
-        plan = None
+    key, plan = _key(spec, args, kwargs, backend, config)
     if plan is not None:
         runner = plan.runner
         if runner is not None:
             got = runner(args, kwargs, out)
             if got is not _SLOW:
                 return got
-        return execute.run(plan, _arrays(spec, args, kwargs), out)
-    plan, key, arrays = _planned(spec, args, kwargs, backend, config)
-    res = execute.run(plan, arrays if arrays is not None else _arrays(spec, args, kwargs), out)
-    if key is not None and plan.runner is None and plan.launches is not None:
+        res = execute.run(plan, _arrays(spec, args, kwargs), out)
+    else:
+        plan, arrays = _planned(spec, args, kwargs, backend, config, key)
+        res = execute.run(plan, arrays, out)
+    if key is not None and plan.runner is None and plan.steps:
         plan.runner = _runner(plan, args, kwargs)
     return res
 
@@ -208,68 +180,65 @@ _SLOW = object()  # a runner's answer: take the backend's fully checked run inst
 def _runner(plan: Plan, args: Sequence[Any], kwargs: Mapping[str, Any]
             ) -> Callable[[Sequence[Any], Mapping[str, Any], Any], Any] | None:
     """The per-call code of a planned C-kernel call whose first run succeeded, or None when
-    the backend offers no fast checks (``native_checker``).
+    the backend offers no fast checks (``argument_checker``).
 
     Everything the plan fixes (shapes, dtypes, strides a contiguous operand has, the output
-    and workspace sizes, which template slot takes which buffer) is worked out here, once;
-    per call it runs the backend's checks of what can still differ: each operand's
-    context, layout and buffer size, an ``out=``'s layout, writability and overlap with the
-    inputs. Any check that does not pass sends the call to ``execute.run`` (``_SLOW``), which
-    repeats every check and raises the precise error, so the runner can only be faster, never
-    more permissive. Calls with a keyword operand given (e.g. attention's mask) take that
-    path too."""
+    and workspace sizes, which slot takes which buffer) was worked out when the plan was
+    compiled; per call the runner runs the backend's checks of what can still differ: each
+    operand's context, layout and buffer size, an ``out=``'s layout, writability and overlap
+    with the inputs. Any check that does not pass sends the call to ``execute.run``
+    (``_SLOW``), which repeats every check and raises the precise error, so the runner can
+    only be faster, never more permissive. Calls with a keyword operand given (e.g.
+    attention's mask) take that path too. The launches go through ``enqueue_steps``, the
+    same loop as the checked path."""
     be, prob = plan.backend, plan.problem
-    launches = plan.launches
-    if launches is None or prob.empty_result:
+    if not isinstance(be, KernelBackend) or not plan.steps or prob.empty_result:
         return None
-    names = spec_names = plan.spec._operand_names
+    spec_names = plan.spec._operand_names
+    if tuple(plan.buffer_names[:len(args)]) != tuple(spec_names[:len(args)]):
+        return None  # operands passed by keyword: the checked path binds them
     checks = []
     for a in args:
-        c = be.native_checker(tuple(a.shape), a.dtype)
+        c = be.argument_checker(tuple(a.shape), a.dtype)
         if c is None or c(a) is None:  # e.g. host operands: every call takes execute.run
             return None
         checks.append(c)
     kw_operands = tuple(k for k in kwargs if k in spec_names)
     if any(kwargs[k] is not None for k in kw_operands):
         return None
-    outputs = (list(prob.outputs.items()) if prob.outputs is not None
-               else [("out", (tuple(prob.out_shape), prob.dtype))])
+    outputs = [(tuple(shape), dt) for shape, dt in prob.output_specs.values()]
     out_checks = []
-    for _, (shape, dt) in outputs:
-        c = be.output_checker(tuple(shape), dt)
-        if c is None:
-            return None
-        out_checks.append(c)
-    scratch = be.scratch
-    ws = [(name, int(n) * storage_dtype(dt).itemsize) for name, (n, dt)
-          in launches.workspace.items()]
-    big = sum(nb for _, nb in ws) + sum(
+    for shape, dt in outputs:
+        # None: an out= array takes the checked path (calls without out= stay fast)
+        out_checks.append((be.argument_checker(shape, storage_dtype(dt), writable=True),
+                           storage_dtype(dt), shape))
+    ws = [(int(n), dt) for n, dt in plan.workspace.values()]
+    big = sum(n * storage_dtype(dt).itemsize for n, dt in ws) + sum(
         int(np.prod(shape, dtype=np.int64)) * storage_dtype(dt).itemsize
-        for _, (shape, dt) in outputs)
+        for shape, dt in outputs)
     if big > _FAST_ALLOCATION_BYTES:
         return None  # memory is judged per call (execute.run's check_memory) for big calls
-    index = {n: i for i, n in enumerate(names[:len(args)])}
-    n_in = len(args)
-    for j, (name, _) in enumerate(outputs):
-        index[name] = n_in + j
-    for j, (name, _) in enumerate(ws):
-        index[name] = n_in + len(outputs) + j
-    try:
-        launch_all = be.sequence_launcher(launches, index)
-    except KeyError:
-        return None  # a template names a buffer this call shape does not have
+    if len(plan.buffer_names) != len(args) + len(outputs) + len(ws):
+        return None
+    empty, buffer_arg, indexed = be.empty, be.buffer_arg, plan.indexed
     single = prob.outputs is None
-    makers = [be.output_maker(tuple(shape), dt) for _, (shape, dt) in outputs]
-    ws_bytes = tuple(nb for _, nb in ws)
     # tiny workspaces are made once per plan where the backend runs one call's launches as one
     # uninterrupted sequence on an in-order queue (no other call can run between its pack
     # kernel and the kernel that reads the packed copy); bigger ones are made per call
     fixed_ws: list[Any] = []
-    if ws_bytes and sum(ws_bytes) <= _PLAN_WORKSPACE_BYTES and be.reusable_workspace():
-        fixed_ws = [scratch(nb) for nb in ws_bytes]
-        ws_bytes = ()
-    out_check = out_checks[0]
-    make0 = makers[0]
+    if ws and sum(n * storage_dtype(dt).itemsize for n, dt in ws) <= _PLAN_WORKSPACE_BYTES \
+            and be.in_order_queue:
+        fixed_ws = [buffer_arg(empty((n,), dt)) for n, dt in ws]
+        ws = []
+    out_check, out_st, out_shape = out_checks[0]
+    shape0, dt0 = outputs[0]
+
+    def checked_out(c: Callable[[Any], Any] | None, st: Any, shape: tuple[int, ...], o: Any
+                    ) -> Any:
+        # the plan key fixed an operand's shape and dtype, not an out='s
+        if c is None or o.dtype != st or tuple(o.shape) != shape:
+            return None
+        return c(o)
 
     def run(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> Any:
         hs = []
@@ -283,30 +252,29 @@ def _runner(plan: Plan, args: Sequence[Any], kwargs: Mapping[str, Any]
                 return _SLOW
         if out is None:
             if single:
-                out, h = make0()
-                hs.append(h)
+                out = empty(shape0, dt0)
+                hs.append(buffer_arg(out))
             else:
-                made = [m() for m in makers]
-                out = tuple([o for o, _ in made])
-                hs.extend([h for _, h in made])
+                out = tuple([empty(shape, dt) for shape, dt in outputs])
+                hs.extend([buffer_arg(o) for o in out])
         elif single:
-            h = out_check(out)
+            h = checked_out(out_check, out_st, out_shape, out)
             if h is None or h in hs:  # handles compare by device memory: aliasing
                 return _SLOW
             hs.append(h)
         else:
             if out.__class__ is not tuple or len(out) != len(out_checks):
                 return _SLOW
-            for c, o in zip(out_checks, out):
-                h = c(o)
+            for (c, st, shape), o in zip(out_checks, out):
+                h = checked_out(c, st, shape, o)
                 if h is None or h in hs:
                     return _SLOW
                 hs.append(h)
         if fixed_ws:
             hs += fixed_ws
-        for nb in ws_bytes:
-            hs.append(scratch(nb))
-        launch_all(hs)
+        for n, dt in ws:
+            hs.append(buffer_arg(empty((n,), dt)))
+        enqueue_steps(be, indexed, hs)
         return out
 
     return run

@@ -109,7 +109,7 @@ def _get(text: str, origin: str) -> Backend:
         canon = cls.canonical_device(dev)
         inst = _instances.get((name, canon))
         if inst is None:
-            inst = cls(canon)
+            inst = cls.opener(canon)(canon)
             _instances[(name, canon)] = inst
         _instances[(name, dev)] = inst
     return inst

@@ -39,7 +39,13 @@ import pytest
 
 import portakern as pk
 from portakern import backends as registry
-from portakern.backends.base import Backend, DeviceInfo, KernelBackend, TransferCounter
+from portakern.backends.base import (
+    ArrayBackend,
+    Backend,
+    DeviceInfo,
+    KernelBackend,
+    TransferCounter,
+)
 from portakern.core import codegen
 from portakern.runtime import execute, selection
 
@@ -213,10 +219,11 @@ def test_opencl_output_allocation_failure(monkeypatch: pytest.MonkeyPatch, which
         assert "(4, 3)" in str(info.value)
 
 
-def test_opencl_outputs_from_the_array_template_are_independent_arrays() -> None:
-    """After the first output of a shape, OpenCLBackend.empty copies a template of pyopencl's
-    attributes: each array must still own its buffer and event list, and behave like one
-    pyopencl.array.empty made (shape, strides, dtype, flags, reads, pyopencl arithmetic)."""
+def test_opencl_outputs_from_the_prototype_are_independent_arrays() -> None:
+    """After the first output of a shape, OpenCLBackend.empty re-wraps a fresh buffer in the
+    prototype's layout (``_new_with_changes``): each array must still own its buffer and
+    event list, and behave like one pyopencl.array.empty made (shape, strides, dtype, flags,
+    reads, pyopencl arithmetic)."""
     import pyopencl.array as cla
 
     be = _opencl()
@@ -224,7 +231,7 @@ def test_opencl_outputs_from_the_array_template_are_independent_arrays() -> None
     ref = cla.empty(be.queue, shape, np.float32)  # type: ignore[attr-defined]
     first = be.empty(shape, "float32")  # type: ignore[attr-defined]
     a, b = be.empty(shape, "float32"), be.empty(shape, "float32")  # type: ignore[attr-defined]
-    assert be.cache_info()["output_templates"]["size"]  # the template path ran
+    assert be.cache_info()["output_templates"]["size"]  # the prototype path ran
     for x in (first, a, b):
         assert (x.shape, x.strides, x.dtype, x.size, x.nbytes, x.offset) == (
             ref.shape, ref.strides, ref.dtype, ref.size, ref.nbytes, ref.offset)
@@ -255,35 +262,23 @@ def _arrays_with_extra(monkeypatch: pytest.MonkeyPatch, make: Any) -> None:
     monkeypatch.setattr(cla.Array, "__init__", init)
 
 
-@pytest.mark.parametrize("extra", [list, dict])
-def test_opencl_empty_takes_the_public_path_when_the_template_is_unsafe(
+@pytest.mark.parametrize("extra", [list, dict, lambda: 3])
+def test_opencl_outputs_from_the_prototype_go_through_pyopencls_constructor(
         monkeypatch: pytest.MonkeyPatch, extra: Any) -> None:
-    """Should a pyopencl release give Array a mutable attribute, copies of a template would
-    share it: the backend then keeps no template and makes every output with cla.empty, so
-    each output has its own."""
-    be = type(_opencl())("0")  # no template made yet
+    """Outputs after the first of a shape are made by pyopencl's own constructor, so an
+    attribute a pyopencl release adds in Array.__init__ is each array's own (a mutable one
+    is never shared), and every array owns its buffer."""
+    be = type(_opencl())("0")  # no prototype made yet
     _arrays_with_extra(monkeypatch, extra)
     x = be.empty((3, 4), "float32")  # type: ignore[attr-defined]
-    y = be.empty((3, 4), "float32")  # type: ignore[attr-defined]
-    assert be.cache_info()["output_templates"]["size"] == 0
-    assert x.extra is not y.extra
+    y = be.empty((3, 4), "float32")  # type: ignore[attr-defined]  # from the prototype
+    assert be.cache_info()["output_templates"]["size"] == 1
+    assert x.extra == y.extra
+    if isinstance(x.extra, (list, dict)):
+        assert x.extra is not y.extra
     assert x.base_data is not y.base_data and x.shape == y.shape == (3, 4)
     got = pk.softmax(be.to_native(np.ones((3, 4), np.float32)), backend=be)
     np.testing.assert_allclose(got.get(), np.full((3, 4), 0.25, np.float32), rtol=1e-6)
-    assert be.cache_info()["output_templates"]["size"] == 0
-
-
-def test_opencl_array_template_keeps_immutable_attributes(monkeypatch: pytest.MonkeyPatch
-                                                          ) -> None:
-    """An immutable attribute does not stop the template: later outputs are copies that
-    carry it, each with its own buffer and event list."""
-    be = type(_opencl())("0")
-    _arrays_with_extra(monkeypatch, lambda: 3)
-    x = be.empty((3, 4), "float32")  # type: ignore[attr-defined]
-    y = be.empty((3, 4), "float32")  # type: ignore[attr-defined]  # from the template
-    assert be.cache_info()["output_templates"]["size"] == 1
-    assert x.extra == y.extra == 3
-    assert y.base_data is not x.base_data and y.events is not x.events
 
 
 def test_opencl_pool_frees_what_it_holds_before_giving_up(monkeypatch: pytest.MonkeyPatch
@@ -385,13 +380,18 @@ def broken_backends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    class ProbeRaises(Backend):
+    class ProbeRaises(ArrayBackend):
         name = "brokenprobe"
         install_hint = "reinstall the fake driver"
 
         @classmethod
         def _probe(cls) -> Any:
             raise RuntimeError("simulated: driver crashed while listing devices")
+
+        def _open(self, selector: str | None) -> Any:
+            raise AssertionError("never opened: its probe fails")
+
+        is_native = to_native = to_numpy = zeros = execute = _open  # type: ignore[assignment]  # never reached
 
     registry.register_backend("brokenimport", f"{mod}:Backend")
     registry.register_backend("brokenprobe", ProbeRaises)
@@ -747,3 +747,28 @@ def test_memory_budget_reads_the_environment_and_limits(monkeypatch: pytest.Monk
     monkeypatch.delenv(host.ENV_BUDGET)
     budget, why = host.memory_budget()
     assert budget > 0 and why
+
+
+def test_a_backend_class_missing_a_part_is_refused_when_it_is_loaded() -> None:
+    """A backend is its required members (backends/base.py: the allocator, compiler and
+    program parts, probing, devices): a class that lacks any is refused when the registry
+    loads it, naming what is missing, not at its first call."""
+
+    class NoProgram(KernelBackend):
+        name = "noprogram"
+
+        @classmethod
+        def _probe(cls) -> Any:
+            raise AssertionError("never probed")
+
+    registry.register_backend("noprogram", NoProgram)
+    try:
+        got = registry.load("noprogram")
+        assert not isinstance(got, type)
+        for member in ("_open", "buffer_arg", "compile", "empty", "program", "to_native"):
+            assert member in got.reason
+        assert "allocator, a compiler and a program" in got.fix
+        with pytest.raises(pk.BackendUnavailable, match="does not implement"):
+            selection.get("noprogram")
+    finally:
+        assert registry.unregister_backend("noprogram")

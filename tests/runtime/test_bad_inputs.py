@@ -37,7 +37,7 @@ from test_errors import BAD_CALLS
 
 import portakern as pk
 from portakern import backends as registry
-from portakern.backends.base import Backend, KernelBackend
+from portakern.backends.base import ArrayBackend, Backend, KernelBackend
 from portakern.core import dtypes
 from portakern.core.sampling import Case
 from portakern.core.spec import MAX_INDEX
@@ -60,7 +60,8 @@ def no_device_work(*backends: Backend) -> Iterator[None]:
     """Fail the test if any of ``backends`` launches, compiles, allocates or uploads.
 
     Launch points by kind of backend (found by capability, not by name): a KernelBackend
-    launches through ``enqueue`` and compiles through ``compile``; a backend with a
+    launches through ``execute.enqueue_steps``, which holds its ``launch_lock`` (checked path
+    and planned runner alike), and compiles through ``compile``; a backend with a
     ``compiled`` hook (jax) launches by calling what that returns; any other backend (numpy,
     plugins) evaluates ``spec.semantics`` inside ``execute``. Uploads are ``to_native``,
     output allocation ``empty``/``zeros``. Validation done inside those steps (a tunable's
@@ -78,7 +79,7 @@ def no_device_work(*backends: Backend) -> Iterator[None]:
             mp.setattr(be, "to_native", forbid(be, "an upload (to_native)"))
             mp.setattr(be, "zeros", forbid(be, "an output allocation (zeros)"))
             if isinstance(be, KernelBackend):
-                mp.setattr(be, "enqueue", forbid(be, "a kernel launch (enqueue)"))
+                mp.setattr(be, "launch_lock", _Forbidden(forbid(be, "a kernel launch")))
                 mp.setattr(be, "compile", forbid(be, "the kernel compiler"))
                 mp.setattr(be, "empty", forbid(be, "an output allocation (empty)"))
             elif callable(getattr(be, "compiled", None)):
@@ -92,6 +93,19 @@ def no_device_work(*backends: Backend) -> Iterator[None]:
             assert snap["h2d"] == snap["d2h"] == 0, f"{be.describe()} moved data: {snap}"
     finally:
         mp.undo()
+
+
+class _Forbidden:
+    """A lock whose acquisition fails the test: every launch takes the backend's lock."""
+
+    def __init__(self, refuse: Callable[..., Any]) -> None:
+        self.refuse = refuse
+
+    def __enter__(self) -> None:
+        self.refuse()
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 def _validate_then(compiled: Callable[..., Any], refuse: Callable[..., Any]
@@ -383,7 +397,7 @@ def test_call_site_fast_path_follows_a_new_tuning_generation(kernel_target: str)
     planned: list[Any] = []
     from portakern.runtime import execute
 
-    real_plan = execute.build_launches
+    real_plan = execute.build_steps
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         planned.append(args)
@@ -393,7 +407,7 @@ def test_call_site_fast_path_follows_a_new_tuning_generation(kernel_target: str)
     configs.invalidate()  # what saving or clearing a tuning does: the public counter moves
     assert configs.GENERATION == gen + 1
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(execute, "build_launches", spy)
+        mp.setattr(execute, "build_steps", spy)
         got = pk.call("matmul", a, b, backend=be)
     assert planned, "a plan of an older tuning generation was reused"
     np.testing.assert_allclose(be.to_numpy(got), A.astype(np.float64) @ B, rtol=1e-5,
@@ -674,11 +688,23 @@ def test_docs_list_every_case() -> None:
         f"docs/guarantees.md must state the count: {len(set(all_case_ids()))} distinct bad inputs"
 
 
-class _BareBackend(Backend):
-    """A plugin-style backend that implements only the protocol's array hooks and trusts
-    whatever reaches them: the host-operand checks must come from runtime.execute.run itself."""
+class _BareBackend(ArrayBackend):
+    """A plugin-style backend that implements only the required members and trusts whatever
+    reaches them: the host-operand checks must come from runtime.execute.run itself."""
 
     name = "bare"
+
+    @classmethod
+    def _probe(cls) -> Any:
+        from portakern.backends.base import Availability
+
+        return Availability(True)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
+        raise AssertionError("a refused operand reached an allocation")
 
     def _open(self, selector: str | None) -> Any:
         from portakern.backends.base import DeviceInfo

@@ -71,10 +71,10 @@ def test_a_multi_kernel_plan_is_a_list_of_launches_with_workspace() -> None:
     be = _kernel_backend()
     q = be.to_native(Q)
     plan = pkplan.plan_for(get_op("attention"), (q, q, q), {"causal": True}, backend=be)
-    assert plan.launches is not None and len(plan.launches) >= 1
-    names = {a for _, _, template in plan.launches for a in template if isinstance(a, str)}
+    assert len(plan.steps) >= 1
+    names = {n for step in plan.steps for n in step.slots}
     assert set(plan.workspace) <= names
-    assert any(isinstance(a, np.integer) for _, _, t in plan.launches for a in t)
+    assert any(isinstance(a, np.integer) for step in plan.steps for a in step.template)
     got = pk.attention(q, q, q, causal=True)
     ref = pk.attention(Q, Q, Q, causal=True, backend="numpy")
     np.testing.assert_allclose(be.to_numpy(got), ref, rtol=1e-4, atol=1e-5)

@@ -25,13 +25,12 @@ and for each five implementations:
   up in its own mode);
 - ``raw``: the very kernel objects of the plan the call uses (``portakern.runtime.plan.plan_for``:
   the cached Plan of that call), launched through the device API by the backend's
-  ``raw_launcher`` hook (OpenCL ``kernel.set_args(*args); enqueue_nd_range_kernel``, CUDA the
+  ``raw_launcher`` hook (OpenCL: a kernel object of its own whose scalar arguments are set
+  once, then per call ``set_arg`` for each buffer and ``enqueue_nd_range_kernel``; CUDA the
   cupy ``Function`` call), arguments and workspace built once outside the timed region, as a
-  user of the raw API would. It sets every argument on each launch (``set_args``), as such
-  code does; portakern's planned runner sets a plan's scalar arguments once, on kernel objects
-  of its own, and per call only the buffers (backends/opencl.py ``sequence_launcher``), which
-  on attention's 20-argument kernel saves about 1 µs a launch: part of what the calls gain
-  back of their Python cost comes from there.
+  user of the raw API would. Scalars are bound once there exactly as the plan's programs bind
+  them (backends/opencl.py ``_Program``), so the overhead measured is portakern's host code
+  alone, not a difference in how arguments are set.
 
 Each implementation is timed two ways, in interleaved rounds (the order rotated each round),
 the median over rounds per implementation:
@@ -168,15 +167,14 @@ def summarize_dispatch(per_call_s: Mapping[str, Sequence[float]],
 def _raw_launcher(be: KernelBackend, plan: Any, bufs: Mapping[str, Any]
                   ) -> Callable[[], None] | None:
     """One callable enqueueing the plan's compiled kernels through the backend's
-    ``raw_launcher`` hook (the device API, no portakern code per call); None when the backend
-    offers none."""
+    ``raw_launcher`` hook (the device API, no portakern code per call: scalars set once, as
+    the plan's programs do, buffers set per call); None when the backend offers none."""
     bufs = dict(bufs)
-    for name, (n, dt) in getattr(plan, "workspace", {}).items():  # made once, like the args
+    for name, (n, dt) in plan.workspace.items():  # made once, like the args
         bufs[name] = be.empty((n,), dt)
     launches = []
-    for kernel, launch, template in plan:
-        args = [be.buffer_arg(bufs[a]) if isinstance(a, str) else a for a in template]
-        fn = be.raw_launcher(kernel, launch, args)
+    for step in plan.steps:
+        fn = be.raw_launcher(step.kernel, step.launch, step.template, bufs)
         if fn is None:
             return None
         launches.append(fn)
@@ -226,7 +224,7 @@ def measure_entry(be: KernelBackend, entry: DispatchEntry, cfg: DispatchConfig, 
     plan = plan_for(spec, operands, kwargs, backend=be)  # the very plan the call launches
     prob = plan.problem
     out = be.empty(tuple(prob.out_shape), cfg.dtype)
-    raw = _raw_launcher(be, plan.launches, {**dev, "out": out}) if plan.launches else None
+    raw = _raw_launcher(be, plan, {**dev, "out": out}) if plan.steps else None
     if raw is None:
         return not_applicable(be, f"{be.name} offers no raw_launcher (the device API's own "
                               "enqueue) to compare with")
@@ -351,7 +349,7 @@ def measure_entry(be: KernelBackend, entry: DispatchEntry, cfg: DispatchConfig, 
                   "(a CPU OpenCL device), its worker threads slow the host down and amplify "
                   "it"}
     kernels = [{"kernel": la.kernel, "groups": list(la.groups), "local": list(la.local)}
-               for _, la, _ in plan.launches]
+               for la in (s.launch for s in plan.steps)]
     rec["info"] = {"kernels": kernels, "raw_max_abs_error": err, "backend_from_inputs": auto}
     if not ok:  # then "raw" did not time the op's kernel
         rec["status"] = "error"

@@ -177,7 +177,7 @@ def _wg_ok(be: Backend, wg: int) -> bool:
 
 def probe_kernel_backend(be: KernelBackend, compute_dtypes: Sequence[str],
                          timing: TimingConfig = PROBE_TIMING) -> Roofline:
-    """Copy bandwidth and FMA peak through ``be.compile``/``be.enqueue`` (probes.c)."""
+    """Copy bandwidth and FMA peak through ``be.compile``/``be.program`` (probes.c)."""
     klass = be.device_class
     src = probe_source()
     roof = Roofline(method=f"probes.c via {be.name} compile/enqueue")
@@ -196,8 +196,9 @@ def probe_kernel_backend(be: KernelBackend, compute_dtypes: Sequence[str],
                                   defines={"CHAINS": 1, "ITERS": 1, "VW": vw})
         copy_k = be.compile(rendered, ("pk_probe_copy",))["pk_probe_copy"]
         la = Launch("pk_probe_copy", (cdiv(n_copy // vw, wg), 1, 1), (wg, 1, 1), ())
-        args = [be.buffer_arg(x), be.buffer_arg(y), np.int32(n_copy)]
-        m = measure(lambda k=copy_k, la=la, args=args: be.enqueue(k, la, args),
+        prog = be.program(copy_k, la, ("x", "y", np.int32(n_copy)))
+        args = [be.buffer_arg(x), be.buffer_arg(y)]
+        m = measure(lambda prog=prog, args=args: prog(args),
                     be.synchronize, timing, what=f"pk_probe_copy n={n_copy} vw={vw} wg={wg}")
         bw = 2.0 * n_copy * 4 / m.median / 1e9  # type: ignore[operator]  # measure() always samples
         roof.trials.append({"probe": "copy", "n": n_copy, "vw": vw, "wg": wg,
@@ -223,8 +224,9 @@ def probe_kernel_backend(be: KernelBackend, compute_dtypes: Sequence[str],
                                       defines={"CHAINS": chains, "ITERS": iters, "VW": vw})
             k = be.compile(rendered, ("pk_probe_fma",))["pk_probe_fma"]
             la = Launch("pk_probe_fma", (cdiv(n_items, wg), 1, 1), (wg, 1, 1), ())
-            args = [be.buffer_arg(out), scal(0.999), scal(1e-3)]
-            m = measure(lambda k=k, la=la, args=args: be.enqueue(k, la, args), be.synchronize,
+            prog = be.program(k, la, ("y", scal(0.999), scal(1e-3)))
+            args = [be.buffer_arg(out)]
+            m = measure(lambda prog=prog, args=args: prog(args), be.synchronize,
                         timing, what=f"pk_probe_fma {cdt} vw={vw} chains={chains} "
                         f"iters={iters}")
             flops = 2.0 * n_items * vw * chains * iters
