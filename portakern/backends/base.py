@@ -92,15 +92,10 @@ class TransferCounter:
 _INSTANCES: weakref.WeakSet = weakref.WeakSet()  # every Backend instance of this process
 
 
-def _cache_bound(env: str, default: int) -> int:
-    """A cache bound from its setting (core.settings: a positive int, else the default)."""
-    return int(settings.get(env) or default)
-
-
 # Bounds of the compiled-code caches (each entry holds a compiled program or executable, about
 # 1 MiB of host memory on PoCL and XLA:CPU): least recently used entries are dropped beyond.
-KERNEL_CACHE_SIZE = _cache_bound("PORTAKERN_KERNEL_CACHE_SIZE", 128)  # per C-kernel backend
-FUNCTION_CACHE_SIZE = _cache_bound("PORTAKERN_FUNCTION_CACHE_SIZE", 64)  # per jax backend
+KERNEL_CACHE_SIZE = settings.kernels.cache_size  # per C-kernel backend
+FUNCTION_CACHE_SIZE = settings.jax.function_cache_size  # per jax backend
 
 
 def _backends_after_fork_in_child() -> None:

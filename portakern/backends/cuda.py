@@ -78,7 +78,7 @@ try:  # optional dependency: guarded, with an install hint in the availability r
 
     _IMPORT_ERROR: Exception | None = None
 except Exception as exc:  # pragma: no cover - depends on the machine
-    cp = None  # type: ignore[assignment]
+    cp = None  # type: ignore[assignment]  # cupy is optional: None says why not
     _IMPORT_ERROR = exc
 
 INSTALL_FIX = "pip install 'portakern[cuda]'"
@@ -104,7 +104,7 @@ def _header_dirs_candidates() -> Iterable[str]:
         if root:
             yield os.path.join(root, "include")
     try:
-        from cuda import pathfinder  # type: ignore[import-not-found]
+        from cuda import pathfinder  # type: ignore[import-not-found]  # optional wheel
 
         found = pathfinder.find_nvidia_header_directory("cudart")
         if found:
@@ -425,7 +425,7 @@ class CudaBackend(KernelBackend):
                 f"kernel {launch.kernel!r}: a block of {threads} threads {launch.local} exceeds "
                 f"the {kernel.max_threads} this compiled kernel allows on {self.describe()} "
                 f"({kernel.num_regs} registers per thread); lower the work-group tunables.")
-        return _Program(kernel.fn, launch, template, self._cp_device, self.describe())
+        return _CudaProgram(kernel.fn, launch, template, self._cp_device, self.describe())
 
     def argument_checker(self, shape: tuple[int, ...], dtype: Any, writable: bool = False
                          ) -> Any:
@@ -462,7 +462,7 @@ class CudaBackend(KernelBackend):
         return launch_raw
 
 
-class _Program:
+class _CudaProgram:
     """One CUDA launch: the scalars sit in an argument list made once; a call puts the
     buffers in their positions and calls the cupy Function inside the device's scope."""
 
@@ -538,8 +538,8 @@ def _cache_dir() -> str | None:
     """PORTAKERN_CUDA_CACHE (a directory, or off); default <PORTAKERN_CACHE_DIR root>/cuda.
     CuPy's own kernel cache (its matmul, used as a benchmark peer) follows it unless
     CUPY_CACHE_DIR is set: every cache portakern causes lives under one root."""
-    if settings.raw("PORTAKERN_CUDA_CACHE") is not None:
-        got = settings.get("PORTAKERN_CUDA_CACHE")
+    if settings.Cache.cuda.text() is not None:
+        got = settings.cache.cuda
     else:
         from ..core.cache import cache_root
 

@@ -84,7 +84,7 @@ _LIBRARY: list[Any] = []  # the ctypes handle, kept alive with the platform
 
 def find_icd() -> str | None:
     """Path of Oclgrind's ICD library, or None when it is not installed."""
-    given = settings.get("PORTAKERN_OCLGRIND_ICD")
+    given = settings.oclgrind.icd
     if given:
         return given if os.path.exists(given) else None
     exe = shutil.which("oclgrind")
@@ -138,7 +138,7 @@ def platform() -> Any:
 def add_simulator(av: Availability) -> Availability:
     """The OpenCL probe's devices plus the simulator (``opencl:oclgrind``, index after the
     real devices). Never raises: a broken simulator is noted in the versions and left out."""
-    if cl is None or not settings.get("PORTAKERN_OCLGRIND"):
+    if cl is None or not settings.oclgrind.enabled:
         return av
     try:
         for d in av.devices:  # listed by the ICD loader itself (launcher, system ICD)

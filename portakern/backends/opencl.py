@@ -36,7 +36,7 @@ try:  # optional dependency: guarded, with an install hint in the availability r
 
     _IMPORT_ERROR: Exception | None = None
 except Exception as exc:  # pragma: no cover - depends on the machine
-    cl = cla = None  # type: ignore[assignment]
+    cl = cla = None  # type: ignore[assignment]  # pyopencl is optional
     _IMPORT_ERROR = exc
 
 BUILD_OPTIONS: tuple[str, ...] = ()
@@ -252,7 +252,7 @@ class OpenCLBackend(KernelBackend):
         # PORTAKERN_OPENCL_POOL=0, or the simulator's exact-size buffers): read its
         # held_bytes/active_bytes, or give its idle blocks back with free_pooled_memory().
         self.memory_pool: Any = None
-        if settings.get("PORTAKERN_OPENCL_POOL"):
+        if settings.opencl.pool:
             import pyopencl.tools as cl_tools
 
             self.memory_pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
@@ -526,7 +526,7 @@ class OpenCLBackend(KernelBackend):
         return x.base_data if x.size else cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY, 1)
 
     def program(self, kernel: Any, launch: Launch, template: Sequence[Any]) -> Any:
-        return _Program(self, kernel, launch, template)
+        return _CLProgram(self, kernel, launch, template)
 
     def kernel_limits(self, kernel: Any) -> tuple[int | None, int | None]:
         """clGetKernelWorkGroupInfo: LOCAL_MEM_SIZE and WORK_GROUP_SIZE on this device."""
@@ -583,7 +583,7 @@ class OpenCLBackend(KernelBackend):
         raise self._oom(f"the buffers of kernel {launch.kernel!r}", nbytes, exc) from None
 
 
-class _Program:
+class _CLProgram:
     """One launch on its own kernel object (a second cl_kernel of the same compiled program):
     the scalar arguments, fixed by the plan, are set once here, and a call sets only the
     buffer arguments (clSetKernelArg per buffer: 0.06 µs each, where setting all of
@@ -634,10 +634,10 @@ def _cache_dir() -> str | None:
     XDG_CACHE_HOME), where PyOpenCL's default would be a literal '~' directory under the
     working directory: then a ``pyopencl`` directory under portakern's cache root too (with
     its fallback and warning)."""
-    env = settings.get("PORTAKERN_OPENCL_CACHE")
+    env = settings.cache.opencl
     if env:
         return env
-    if not settings.get("PORTAKERN_CACHE_DIR"):
+    if not settings.cache.dir:
         if os.environ.get("HOME") or os.environ.get("XDG_CACHE_HOME"):
             return None
         if os.path.expanduser("~") != "~":

@@ -211,7 +211,9 @@ class KernelSpec:
     defines: Callable[[Problem, Mapping[str, int]], dict[str, Any]]
     launches: Callable[[Problem, Mapping[str, int]], list[Launch]]
     cost: Callable[[Problem], Cost]
-    tolerance: Callable[[Problem, dict[str, np.ndarray], np.ndarray], np.ndarray]
+    # (problem, float64 inputs, the float64 result: an array, or a tuple of them for several
+    # outputs) -> the bound (a tuple of bounds for several outputs)
+    tolerance: Callable[[Problem, dict[str, np.ndarray], Any], Any]
     tunables: tuple[Tunable, ...] = ()
     schedules: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # 'cpu' / 'gpu'
     config_check: Callable[[Problem | None, Mapping[str, int]], str | None] | None = None

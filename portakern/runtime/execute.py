@@ -210,7 +210,7 @@ def check_outs(be: Backend, spec: KernelSpec, prob: Problem, out: Any) -> None:
             f"one per output ({', '.join(names)}); got {type(out).__name__}"
             + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "") + ".")
     for name, o in zip(names, out):
-        shape, dt = prob.outputs[name]  # type: ignore[index]
+        shape, dt = prob.output_specs[name]
         if not be.is_native(o):
             raise InvalidArgumentError(
                 f"{spec.name}: out= entry {name!r} must be a {be.name} device array; got "

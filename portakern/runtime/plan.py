@@ -61,7 +61,7 @@ def plan_key(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
 
     Raises AttributeError for an operand without shape/dtype (a list, a scalar): such a call
     is validated (and refused) without a plan; an unhashable part raises TypeError at lookup."""
-    key = [spec.token, backend, _CURRENT(), _ENV_BACKEND(), registry.VERSION,
+    key: list[Any] = [spec.token, backend, _CURRENT(), _ENV_BACKEND(), registry.VERSION,
            configs.GENERATION]
     for a in args:
         key += (a.__class__, a.shape, a.dtype)
@@ -207,7 +207,7 @@ def _runner(plan: Plan, args: Sequence[Any], kwargs: Mapping[str, Any]
     if any(kwargs[k] is not None for k in kw_operands):
         return None
     outputs = [(tuple(shape), dt) for shape, dt in prob.output_specs.values()]
-    out_checks = []
+    out_checks: list[tuple[Callable[[Any], Any] | None, Any, tuple[int, ...]]] = []
     for shape, dt in outputs:
         # None: an out= array takes the checked path (calls without out= stay fast)
         out_checks.append((be.argument_checker(shape, storage_dtype(dt), writable=True),
@@ -265,8 +265,8 @@ def _runner(plan: Plan, args: Sequence[Any], kwargs: Mapping[str, Any]
         else:
             if out.__class__ is not tuple or len(out) != len(out_checks):
                 return _SLOW
-            for (c, st, shape), o in zip(out_checks, out):
-                h = checked_out(c, st, shape, o)
+            for (oc, st, shape), o in zip(out_checks, out):
+                h = checked_out(oc, st, shape, o)
                 if h is None or h in hs:
                     return _SLOW
                 hs.append(h)
