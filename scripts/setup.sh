@@ -46,6 +46,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install -q pyclblast >/dev/null 2>&1 \
       || log "pyclblast did not build: the CLBlast peer will be reported missing"
   fi
+  # ptxas and cuobjdump come from the cuda extra's wheels (portakern/toolchains/ptxas.py
+  # looks there before PATH and /usr/local/cuda): say which ones portakern will run
+  .venv/bin/python -c "from portakern.toolchains import ptxas
+for t in ('ptxas', 'cuobjdump'): print('[setup]', t, ptxas.locate(t) or 'NOT FOUND')" >&2 || true
   echo "$want" > "$stamp"
 else
   log ".venv up to date"

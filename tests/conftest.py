@@ -38,6 +38,20 @@ settings.register_profile(
 settings.load_profile(os.environ.get("PORTAKERN_HYPOTHESIS_PROFILE")
                       or ("ci" if os.environ.get("CI") else "dev"))
 
+
+def require_tool(found: object, what: str, fix: str) -> None:
+    """For a test that needs a tool the set-up installs (ptxas, cuobjdump, hipcc, Oclgrind):
+    nothing when ``found`` is truthy; else under CI (CI set) a failure naming the fix — CI
+    installs it, so a missing one is a broken set-up, and a check that skips proves nothing —
+    and elsewhere a skip with the same reason."""
+    if found:
+        return
+    msg = f"{what}. Fix: {fix}."
+    if os.environ.get("CI"):
+        pytest.fail(msg, pytrace=False)
+    pytest.skip(msg)
+
+
 SKIPPED: dict[str, str] = {}
 
 

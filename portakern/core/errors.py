@@ -8,6 +8,8 @@ Messages follow one rule: say what was wrong, what was expected, and how to fix 
 
 from __future__ import annotations
 
+import shlex
+
 
 class PortakernError(Exception):
     """Base of every portakern error."""
@@ -56,6 +58,37 @@ class CompileError(PortakernError, RuntimeError):
         super().__init__(full)
 
 
+class ToolchainError(BackendUnavailable):
+    """A compile-only tool (ptxas, cuobjdump, hipcc) is there but could not do its job: it
+    would not start, timed out, or failed for a reason that is not the kernel's source.
+
+    ``tool``, ``command`` (as run), ``returncode`` (None when it never ran to an exit),
+    ``stderr`` and ``stdout`` (whole) describe the run; the message names the command, the
+    trimmed stderr (stdout's last lines when stderr is empty) and ``fix``. A
+    BackendUnavailable: that target cannot be used here until the tool is fixed, so callers
+    that report an unavailable target report this one too."""
+
+    STDERR_LINES = 20  # the message keeps the last lines (and at most 2000 characters)
+
+    def __init__(self, message: str, *, tool: str = "", command: tuple = (),
+                 returncode: int | None = None, stderr: str = "", stdout: str = "",
+                 fix: str = "") -> None:
+        self.tool = tool
+        self.command = tuple(str(c) for c in command)
+        self.returncode = returncode
+        self.stderr = stderr
+        self.stdout = stdout
+        self.fix = fix
+        status = ("" if returncode is None else f" (exit status {returncode})")
+        full = (f"{message}{status}\n  command: {shlex.join(self.command) or '(none)'}\n"
+                f"  stderr: {_trim(stderr, self.STDERR_LINES) or '(empty)'}")
+        if not stderr.strip() and stdout.strip():
+            full += f"\n  stdout: {_trim(stdout, 5)}"
+        if fix:
+            full += f"\n  Fix: {fix}"
+        super().__init__(full)
+
+
 class KernelFaultError(PortakernError, RuntimeError):
     """A checking device (the Oclgrind simulator, ``opencl:oclgrind``) saw a kernel misbehave:
     a data race, an out-of-bounds access, a use of an uninitialised value or invalid API use.
@@ -101,6 +134,15 @@ class AliasingError(InvalidArgumentError):
 
 class SpecError(PortakernError, ValueError):
     """A KernelSpec is malformed: the message names the spec, the field and the fix."""
+
+
+def _trim(text: str, most: int) -> str:
+    """The last ``most`` lines of a tool's output (2000 characters at most), indented."""
+    lines = text.strip().splitlines()
+    shown = "\n    ".join(lines[-most:])[-2000:]
+    if len(lines) > most:
+        shown = f"(last {most} of {len(lines)} lines)\n    " + shown
+    return shown
 
 
 def number_lines(source: str) -> str:

@@ -83,7 +83,9 @@ class CompileOnlyTarget:
     toolchain: Callable[[], str]  # 'NVRTC 12.9'; BackendUnavailable (with the fix) if absent
     options: Callable[[], tuple[str, ...]]  # the compile options (architecture excluded)
     refusal: Callable[[str], str]  # '' when the toolchain builds for an arch, else why not
-    compile: Callable[[str, str, Sequence[str] | None, str], Compiled]  # src, arch, opts, name
+    # src, arch, opts, name; a failed compile is Compiled(ok=False), a broken toolchain
+    # (ptxas, hipcc, cuobjdump will not start or fail on any source) raises ToolchainError
+    compile: Callable[[str, str, Sequence[str] | None, str], Compiled]
     kernel_resources: Callable[[str, str, str], list[KernelResources]]  # src, arch, name
     occupancy: Callable[[str, int, KernelResources], Occupancy]  # arch, group size, kernel
     # NVRTC holds the GIL, so parallel compiles need processes; hipcc is a child process of
@@ -138,8 +140,11 @@ def _hip_compile(source: str, arch: str, options: Sequence[str] | None = None,
                  name: str = "portakern.hip") -> Compiled:
     from . import hipcc
 
+    device = f"hipcc {hipcc.normalize_arch(arch)} (compile only, {hipcc.version()})"
     res = hipcc.compile_source(source, arch, name, options)
-    device = f"hipcc {res.arch} (compile only, {hipcc.version()})"
+    broken = hipcc.toolchain_failure(res, name)
+    if broken is not None:  # hipcc's fault, not the source's: no CompileError
+        raise broken
     if not res.ok:
         return Compiled(False, f"hipcc failed to compile {name} for {res.arch}", res.log,
                         res.command, device, res.seconds)

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import settings
-from ..core.errors import BackendUnavailable, InvalidArgumentError
+from ..core.errors import BackendUnavailable, InvalidArgumentError, ToolchainError
+from ._process import run
 
 DIALECT = "hip"
 DEFAULT_ARCHS: tuple[str, ...] = ("gfx906", "gfx90a", "gfx1030")
@@ -102,18 +103,29 @@ def version() -> str:
     """'HIP 5.2.21153 / clang 15.0.6' (cached per hipcc path)."""
     path = require_hipcc()
     if path not in _VERSION:
-        try:
-            out = subprocess.run([path, "--version"], capture_output=True, text=True,
-                                 env=_env(), timeout=60).stdout
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise BackendUnavailable(f"{path} --version failed ({exc}). Fix: {INSTALL_FIX}."
-                                     ) from None
+        fix = _fix(path)
+        done = run("hipcc", (path, "--version"), what="asking hipcc its version", fix=fix,
+                   timeout=60, env=_env())
+        out = done.stdout or ""
         hip = re.search(r"HIP version:\s*(\S+)", out)
         clang = re.search(r"clang version\s*(\S+)", out)
+        lines = out.strip().splitlines()
+        if not (hip or clang or lines):
+            raise ToolchainError("asking hipcc its version: it printed nothing on stdout",
+                                 tool="hipcc", command=(path, "--version"),
+                                 returncode=done.returncode, stderr=done.stderr or "",
+                                 fix=fix)
         _VERSION[path] = " / ".join(x for x in (f"HIP {hip.group(1)}" if hip else "",
                                                 f"clang {clang.group(1)}" if clang else "")
-                                    if x) or out.strip().splitlines()[0]
+                                    if x) or lines[0]
     return _VERSION[path]
+
+
+def _fix(path: str) -> str:
+    env = settings.tools.hipcc
+    return (f"check that `{path} --version` runs and names HIP and clang; "
+            f"{'unset PORTAKERN_HIPCC or point it at a working hipcc; ' if env else ''}"
+            f"{INSTALL_FIX}")
 
 
 def compile_options() -> tuple[str, ...]:
@@ -133,6 +145,7 @@ class HipCompile:
     object_bytes: int = 0
     asm: str = ""
     kernels: list[dict[str, Any]] = field(default_factory=list)
+    returncode: int | None = 0  # None: it did not finish
 
 
 def compile_source(source: str, arch: str, name: str = "portakern.hip",
@@ -155,19 +168,25 @@ def compile_source(source: str, arch: str, name: str = "portakern.hip",
         cmd = (hipcc, *opts, f"--offload-arch={arch}", "-c", src, "-o", obj)
         if keep_asm:
             cmd = cmd + ("-save-temps",)
+        shown = tuple(name if c == src else c for c in cmd if c not in (obj,))
         t0 = time.perf_counter()
         try:
-            run = subprocess.run(cmd, capture_output=True, text=True, cwd=d, env=_env(),
-                                 timeout=TIMEOUT_S)
-            rc, log = run.returncode, (run.stderr + run.stdout).strip()
-        except subprocess.TimeoutExpired:
+            done = subprocess.run(cmd, capture_output=True, text=True, cwd=d, env=_env(),
+                                  timeout=TIMEOUT_S)
+            rc, log = done.returncode, (done.stderr + done.stdout).strip()
+        except subprocess.TimeoutExpired:  # may be the source's doing: a failed compile
             rc, log = -1, f"hipcc did not finish within {TIMEOUT_S} s"
+        except OSError as exc:  # not the source's doing: hipcc would not start
+            raise ToolchainError(f"compiling {name} for {arch}: hipcc could not be started "
+                                 f"({exc.strerror or type(exc).__name__}: {hipcc})",
+                                 tool="hipcc", command=shown, stderr=str(exc),
+                                 fix=_fix(hipcc)) from None
         secs = time.perf_counter() - t0
         # paths in the log name the temporary file: show the name the caller chose
         log = log.replace(src, name).replace(d + os.sep, "")
-        shown = tuple(name if c == src else c for c in cmd if c not in (obj,))
         if rc != 0 or not os.path.isfile(obj):
-            return HipCompile(arch, False, log or f"hipcc exited with {rc}", shown, secs)
+            return HipCompile(arch, False, log or f"hipcc exited with {rc}", shown, secs,
+                              returncode=None if rc == -1 else rc)
         res = HipCompile(arch, True, log, shown, secs, object_bytes=os.path.getsize(obj))
         if keep_asm:
             asm_files = [f for f in os.listdir(d) if f.endswith(f"-{arch}.s")]
@@ -226,18 +245,36 @@ def _barriers(asm: str, kernel: str) -> int:
     return len(re.findall(r"^\s*s_barrier\b", m.group(1), re.M)) if m else 0
 
 
-_PROBED: dict[str, str] = {}
+_PROBED: dict[tuple[str, str], str] = {}
+
+
+def toolchain_failure(res: HipCompile, name: str) -> ToolchainError | None:
+    """The ToolchainError of a failed compile that is hipcc's fault, not the source's: none
+    of its messages points into ``name`` and hipcc cannot build a one-line kernel for that
+    architecture either (``probe_arch``; e.g. no device libraries). None otherwise: the
+    caller reports a CompileError with the numbered source."""
+    if res.ok or re.search(rf"^{re.escape(name)}:\d+:\d+: ", res.log, re.M):
+        return None
+    why = probe_arch(res.arch)
+    if not why:
+        return None
+    return ToolchainError(f"compiling {name} for {res.arch}: hipcc failed, and fails on a "
+                          "one-line kernel too, so the toolchain is at fault, not the source",
+                          tool="hipcc", command=res.command,
+                          returncode=res.returncode,
+                          stderr=res.log, fix=_fix(res.command[0]))
 
 
 def probe_arch(arch: str) -> str:
     """'' when this hipcc builds for ``arch``, else the compiler's first error line."""
     arch = normalize_arch(arch)
-    if arch not in _PROBED:
+    key = (require_hipcc(), arch)  # per hipcc: PORTAKERN_HIPCC may change in one process
+    if key not in _PROBED:
         res = compile_source('extern "C" __global__ void k(float* p) { p[0] = 1.0f; }\n',
                              arch, "probe.hip", keep_asm=False)
         err = next((ln.strip() for ln in res.log.splitlines() if "error" in ln), res.log)
-        _PROBED[arch] = "" if res.ok else (err[:300] or "rejected")
-    return _PROBED[arch]
+        _PROBED[key] = "" if res.ok else (err[:300] or "rejected")
+    return _PROBED[key]
 
 
 # --- per-architecture limits for the occupancy estimate -----------------------------------

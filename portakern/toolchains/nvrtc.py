@@ -22,7 +22,7 @@ from typing import Any
 
 from ..backends.cuda import compile_error_message, compile_options, normalize_arch
 from ..core.errors import BackendUnavailable, CompileError
-from .ptxas import PTXAS_FIX, find_ptxas, ptxas_resources
+from .ptxas import ptxas_resources, require_ptxas
 
 # Static __shared__ per block: 48 KiB on every CUDA architecture (more only via dynamic shared
 # memory and an opt-in attribute).
@@ -150,9 +150,8 @@ def compile_source(source: str, arch: str, options: Sequence[str] | None = None,
 def kernel_resources(source: str, arch: str, name: str = "portakern.cu") -> list[dict[str, Any]]:
     """Per entry point: what ``ptxas -v --gpu-name sm_<arch>`` reports for NVRTC's PTX
     (``ptxas.parse_ptxas_log``'s keys). BackendUnavailable without ptxas (checked before
-    compiling, so the fix comes first), CompileError when the source does not compile."""
-    if find_ptxas() is None:
-        raise BackendUnavailable(f"ptxas is not installed (CUDA resource reports need it). "
-                                 f"Fix: {PTXAS_FIX}.")
+    compiling, so the fix comes first), CompileError when the source does not compile,
+    ToolchainError when ptxas fails."""
+    require_ptxas()
     arch = normalize_arch(arch)
     return ptxas_resources(compile_source(source, arch, name=name), arch)

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..core import dtypes
-from ..core.errors import BackendUnavailable, PortakernError
+from ..core.errors import BackendUnavailable, PortakernError, ToolchainError
 from ..core.spec import KernelSpec
 from ..ops import get_op
 
@@ -196,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {exc}")
         return 2
     reports: list[KernelReport] = []
-    problems: list[str] = []
+    problems: list[tuple[str, str]] = []  # (printed as: error | unavailable | FAIL, what)
     rc = 0
     for t in targets:
         archs = [t.normalize_arch(a) for a in _split(args.arch)
@@ -206,26 +206,28 @@ def main(args: argparse.Namespace) -> int:
                 for sched in schedules:
                     try:
                         reports += measure(args.op, t.name, arch, dt, sched, config or None)
-                    except BackendUnavailable as exc:
-                        problems.append(f"{t.name}: {exc}")
-                        rc = max(rc, 2)
+                    except BackendUnavailable as exc:  # no tool, or a broken one: next target
+                        broken = isinstance(exc, ToolchainError)
+                        where = f"{t.name} {t.arch_label(arch)}" if broken else t.name
+                        problems.append(("error" if broken else "unavailable", f"{where}: {exc}"))
+                        rc = 2
                         break
                     except PortakernError as exc:
-                        problems.append(f"{t.name} {arch} {dt} {sched}: {exc}")
-                        rc = 1
+                        problems.append(("FAIL", f"{t.name} {arch} {dt} {sched}: {exc}"))
+                        rc = max(rc, 1)
                 else:
                     continue
                 break
     if args.json:
         print(json.dumps({"op": args.op, "kernels": [r.as_dict() for r in reports],
-                          "problems": problems}, indent=1))
+                          "problems": [p for _, p in problems]}, indent=1))
     else:
         if reports:
             r0 = reports[0]
             print(f"{args.op}: problem {r0.problem}, schedule(s) {', '.join(schedules)}")
             print(format_table(reports))
-        for p in dict.fromkeys(problems):
-            print(f"unavailable: {p}" if rc == 2 else f"FAIL: {p}")
+        for how, p in dict.fromkeys(problems):
+            print(f"{how}: {p}")
         print("theoretical occupancy from registers, shared memory/LDS and group size "
               "(portakern/tools/resources.py); a static figure, not a measured speed")
     return rc
@@ -315,6 +317,8 @@ def static_tune(op: str, backend: str, dtype: str = "float32", max_candidates: i
         except CompileError as exc:
             say(f"  {_cfg(cand)}: does not compile ({str(exc).splitlines()[0][:80]})")
             continue
+        except BackendUnavailable:  # no tool or a broken one: not the candidate's fault
+            raise
         except PortakernError as exc:  # outside the domain, invalid for the problem
             say(f"  {_cfg(cand)}: rejected ({str(exc).splitlines()[0][:80]})")
             continue

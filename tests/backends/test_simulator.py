@@ -10,7 +10,8 @@ strided axes, broadcast batches — small enough for an interpreter; any other r
 (portakern.tools.conformance.SimulatorChooser). A user kernel that races or reads out of bounds
 raises KernelFaultError here (end of file).
 
-Marked ``simulator``; skipped, with the reason, where Oclgrind is not installed.
+Marked ``simulator``; where Oclgrind is not installed, a failure under CI (the set-up installs
+it) and elsewhere a skip with the reason (conftest.require_tool).
 """
 
 from __future__ import annotations
@@ -27,19 +28,23 @@ from portakern.runtime.verify import compare_arrays
 from portakern.tools.cases import case_generator
 from portakern.tools.conformance import SimulatorChooser
 
+from conftest import require_tool
+
 pytestmark = pytest.mark.simulator
 SIM = "opencl:oclgrind"
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 def _simulator_or_skip() -> None:
+    """A failure under CI (scripts/setup.sh installs pyopencl and Oclgrind), else a skip."""
     try:
         from portakern.backends.oclgrind import simulator_info
     except Exception as exc:  # pyopencl missing
-        pytest.skip(f"opencl:oclgrind needs pyopencl: {exc}")
-    if simulator_info() is None:
-        pytest.skip("opencl:oclgrind: the Oclgrind simulator is not installed "
-                    "(apt-get install oclgrind)")
+        require_tool(None, f"opencl:oclgrind needs pyopencl ({exc})",
+                     "pip install 'portakern[opencl]'")
+    require_tool(simulator_info() is not None,
+                 "opencl:oclgrind: the Oclgrind simulator is not installed",
+                 "apt-get install oclgrind (scripts/setup.sh installs it)")
 
 
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:

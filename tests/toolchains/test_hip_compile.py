@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import re
 
 import pytest
@@ -23,18 +22,16 @@ from portakern.core.errors import CompileError
 from portakern.ops import get_op
 from portakern.tools import compile_check
 
+from conftest import require_tool
+
 hip = importlib.import_module("portakern.toolchains.hipcc")
 BUILTIN_OPS = ("matmul", "softmax", "rmsnorm", "attention")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 def need_hipcc() -> None:
-    if hip.find_hipcc() is not None:
-        return
-    msg = f"hipcc is not installed; the AMD compile check needs it. Fix: {hip.INSTALL_FIX}."
-    if os.environ.get("CI"):
-        pytest.fail(msg)  # CI installs it: a missing compiler is a broken set-up, not a skip
-    pytest.skip(msg)
+    require_tool(hip.find_hipcc(), "hipcc is not installed; the AMD compile check needs it",
+                 hip.INSTALL_FIX)
 
 
 def _ci_cases() -> list[compile_check.CompileCase]:

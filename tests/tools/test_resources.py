@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 
 import pytest
 
 from portakern import toolchains
 from portakern.ops import get_op
 from portakern.tools import resources
+
+from conftest import require_tool
 
 ptxas = importlib.import_module("portakern.toolchains.ptxas")
 hip = importlib.import_module("portakern.toolchains.hipcc")
@@ -30,12 +31,7 @@ FLOOR_TARGETS = [(t, a) for t in toolchains.names() for a in toolchains.get(t).f
 def need(tool: str) -> None:
     found, fix = ((ptxas.find_ptxas(), ptxas.PTXAS_FIX) if tool == "ptxas"
                   else (hip.find_hipcc(), hip.INSTALL_FIX))
-    if found is not None:
-        return
-    msg = f"{tool} is not installed; resource reports need it. Fix: {fix}."
-    if os.environ.get("CI"):
-        pytest.fail(msg)
-    pytest.skip(msg)
+    require_tool(found, f"{tool} is not installed; resource reports need it", fix)
 
 
 @pytest.mark.parametrize("backend,arch", FLOOR_TARGETS, ids=[a for _, a in FLOOR_TARGETS])
@@ -128,13 +124,24 @@ def test_json_fields_per_kernel(capsys) -> None:  # noqa: ANN001
         assert k["kernel"] == "softmax" and 0 < k["occupancy"] <= 1
 
 
-def test_missing_ptxas_says_how_to_install(monkeypatch, capsys) -> None:  # noqa: ANN001
-    monkeypatch.setenv("PORTAKERN_PTXAS", "/nonexistent/ptxas")
+def test_missing_ptxas_says_how_to_install(monkeypatch, capsys, tmp_path) -> None:  # noqa: ANN001
     from portakern.tools import cli
 
+    monkeypatch.setenv("PORTAKERN_PTXAS", "/nonexistent/ptxas")
     rc = cli.main(["resources", "softmax", "--backend", "cuda"])
     out = capsys.readouterr().out
-    assert rc == 2 and "ptxas is not installed" in out and "nvidia-cuda" in out
+    assert rc == 2 and "PORTAKERN_PTXAS=/nonexistent/ptxas names no file" in out
+    assert "nvidia-cuda-nvcc-cu12" in out
+    # nowhere at all: no variable, no wheel, nothing on PATH, no toolkit
+    monkeypatch.delenv("PORTAKERN_PTXAS")
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(ptxas, "WHEEL_PACKAGES", {})
+    monkeypatch.setattr(ptxas, "SYSTEM_DIRS", ())
+    rc = cli.main(["resources", "softmax", "--backend", "cuda"])
+    out = capsys.readouterr().out
+    assert rc == 2 and "ptxas is not installed" in out and "nvidia-cuda-nvcc-cu12" in out
 
 
 def test_static_tune_ranks_without_a_gpu_and_records_a_static_choice(tmp_path, monkeypatch
