@@ -81,12 +81,12 @@ has() { "$1" -c "$2" > /dev/null 2>&1; }
 for cand in "$ROOT/.venv/bin/python" "$(command -v python3 || true)"; do
     if [ -n "$cand" ] && [ -x "$cand" ] && has "$cand" "import cupy"; then PY="$cand"; break; fi
 done
-if [ -n "$PY" ] && ! has "$PY" "import portakern.backends.cuda"; then
+if [ -n "$PY" ] && ! has "$PY" "import portakern.backend.cuda"; then
     log "portakern not importable by $PY; installing it offline (editable, no deps)"
     "$PY" -m pip install --no-deps --no-build-isolation --no-index -e "$ROOT" \
         > "$OUT/setup_offline.log" 2>&1 || log "offline install failed (see setup_offline.log)"
 fi
-if [ -z "$PY" ] || ! has "$PY" "import portakern.backends.cuda, pytest, hypothesis"; then
+if [ -z "$PY" ] || ! has "$PY" "import portakern.backend.cuda, pytest, hypothesis"; then
     VENV="${TMPDIR:-/tmp}/portakern-gpu-venv"
     log "no interpreter with cupy + portakern + pytest; trying pip (network) into $VENV"
     BASEPY="$(command -v python3 || true)"
@@ -98,7 +98,7 @@ if [ -z "$PY" ] || ! has "$PY" "import portakern.backends.cuda, pytest, hypothes
         log "pip install failed (no network?) - see setup_pip.log"
     fi
 fi
-if [ -z "$PY" ] || ! has "$PY" "import portakern.backends.cuda, cupy"; then
+if [ -z "$PY" ] || ! has "$PY" "import portakern.backend.cuda, cupy"; then
     log "SETUP FAILED: no Python with cupy and portakern. Carry a .venv or allow PyPI access."
     printf '%s\t%s\t%s\t%s\n' "setup" 1 0 "no python with cupy and portakern" >> "$STEPS"
     SETUP_OK=0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from . import backends  # the registry; calling it lists every backend
+from typing import Any
+
 from ._version import __version__ as __version__
 from .api import attention, call, matmul, rmsnorm, softmax
-from .backends import refresh as refresh_backends
+from .backend import registry as _registry
+from .backend.registry import refresh as refresh_backends
 from .core.errors import (
     BackendUnavailable,
     CompileError,
@@ -50,6 +52,14 @@ __all__ = [
     "softmax", "to_backend",
     "unregister_op", "use", "Verdict", "verify",
 ]
+
+
+def backends() -> dict[str, dict[str, Any]]:
+    """Every registered backend: available?, its devices and versions, or why not and the fix.
+
+    (This function is ``portakern.backends``; the package of that name holds the backends
+    themselves and is imported as ``portakern.backend.<module>``.)"""
+    return _registry.report()
 
 
 def register_op(spec: KernelSpec, *, replace: bool = False, check: bool = False) -> KernelSpec:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .backends.base import Backend
+from .backend.base import Backend
 from .core.spec import KernelSpec
 from .ops import get_op
 from .runtime.plan import dispatch

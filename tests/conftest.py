@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from portakern import backends as registry
+from portakern.backend import registry
 
 # tests/ mirrors the package's folders; a few tables are shared between test modules of
 # different folders (test_errors.BAD_CALLS, test_ops.ALTERNATIVE_CONFIGS,

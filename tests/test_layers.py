@@ -169,13 +169,13 @@ BACKEND_NAMES = {"cuda", "hip", "opencl", "jax", "numpy", "nvrtc", "hipcc"}
 
 
 def test_no_backend_name_comparisons_outside_backends() -> None:
-    """Backend knowledge lives in backends/: no `x == "cuda"` or `x == "hipcc"` (or in/!=
+    """Backend knowledge lives in backend/: no `x == "cuda"` or `x == "hipcc"` (or in/!=
     against a tuple of names, or a match case) anywhere else; differences are data (dialect
     tables, compile-only target records) or hooks."""
     found = []
     for path in sorted((ROOT / "portakern").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("portakern/backends/"):
+        if rel.startswith("portakern/backend/"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), rel)):
             consts: list[ast.expr] = []
@@ -189,4 +189,25 @@ def test_no_backend_name_comparisons_outside_backends() -> None:
                      if isinstance(c, ast.Constant) and c.value in BACKEND_NAMES]
             if names:
                 found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
-    assert not found, "backend names compared outside backends/:\n" + "\n".join(found)
+    assert not found, "backend names compared outside backend/:\n" + "\n".join(found)
+
+
+def test_backends_is_a_plain_function_beside_the_backend_package() -> None:
+    """``pk.backends()`` is an ordinary function and the backends are the package
+    ``portakern.backend``: no module whose class is swapped to make it callable, and every
+    import form of a backend module works (``import a.b.c as x`` resolves ``a.b`` by
+    attribute, which a same-named function would break)."""
+    import importlib
+    import types
+
+    import portakern as pk
+
+    assert isinstance(pk.backends, types.FunctionType) and "numpy" in pk.backends()
+    backend_pkg = importlib.import_module("portakern.backend")
+    assert type(backend_pkg) is types.ModuleType
+    import portakern.backend.numpy as numpy_backend  # noqa: PLC0415 - the form under test
+
+    assert numpy_backend.__name__ == "portakern.backend.numpy"
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("portakern"):
+            assert type(mod) is types.ModuleType, f"{mod.__name__}: {type(mod)}"

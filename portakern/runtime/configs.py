@@ -30,7 +30,7 @@ from ..core.lru import LRUCache
 from ..core.spec import KernelSpec, Problem
 
 if TYPE_CHECKING:
-    from ..backends.base import Backend, DeviceInfo
+    from ..backend.base import Backend, DeviceInfo
 
 ENV_TUNING = "PORTAKERN_TUNING"
 NAMESPACE = "tuning"

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import ArrayBackend, Backend, KernelBackend, Program, Step, check_memory_limits
+from ..backend.base import ArrayBackend, Backend, KernelBackend, Program, Step, check_memory_limits
 from ..core import dtypes
 from ..core.errors import AliasingError, DTypeError, InvalidArgumentError, ShapeError
 from ..core.host import check_host_memory, host_copy_bytes, host_operands

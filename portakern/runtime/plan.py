@@ -24,9 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import backends as registry
-from ..backends import base
-from ..backends.base import Backend, KernelBackend
+from ..backend import base, registry
+from ..backend.base import Backend, KernelBackend
 from ..core import settings
 from ..core.errors import InvalidArgumentError
 from ..core.lru import LRUCache

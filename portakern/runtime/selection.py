@@ -16,8 +16,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .. import backends as registry
-from ..backends.base import Backend
+from ..backend import registry
+from ..backend.base import Backend
 from ..core import settings
 from ..core.errors import BackendUnavailable, UnknownBackendError
 from ..core.lru import LRUCache

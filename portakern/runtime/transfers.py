@@ -1,4 +1,4 @@
-"""Moving arrays between backends (``pk.backends()`` itself is the registry module, callable)."""
+"""Moving arrays between backends: ``pk.to_backend`` (``pk.backends()`` lists them)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Backend
+from ..backend.base import Backend
 from ..core import dtypes
 from ..core.errors import (
     BackendUnavailable,

@@ -124,7 +124,7 @@ def _cuda_occupancy(arch: str, threads: int, k: KernelResources) -> Occupancy:
 
 
 def _cuda() -> CompileOnlyTarget:
-    from ..backends import cuda
+    from ..backend import cuda
     from . import nvrtc
 
     return CompileOnlyTarget(

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends.cuda import compile_error_message, compile_options, normalize_arch
+from ..backend.cuda import compile_error_message, compile_options, normalize_arch
 from ..core.errors import BackendUnavailable, CompileError
 from .ptxas import ptxas_resources, require_ptxas
 

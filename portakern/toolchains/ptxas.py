@@ -7,7 +7,7 @@ the theoretical occupancy (``occupancy``), as ``hipcc.py`` does for AMD. ``cubin
 reads the same figures back from the assembled cubin with ``cuobjdump --dump-resource-usage``
 (the resource test cross-checks the two).
 
-Nothing here runs kernels: the cuda backend (``backends/cuda.py``) compiles with NVRTC at run
+Nothing here runs kernels: the cuda backend (``backend/cuda.py``) compiles with NVRTC at run
 time and never needs ptxas, so this lives with the compile-only toolchains.
 
 Where the tools are found (``locate``), first hit wins:

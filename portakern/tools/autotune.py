@@ -83,7 +83,7 @@ from ..runtime.configs import (
 )
 
 if TYPE_CHECKING:
-    from ..backends.base import Backend, KernelBackend
+    from ..backend.base import Backend, KernelBackend
 
 ORACLE_FLOPS_LIMIT = 1e9  # check the measured problem itself when its float64 oracle is cheap
 MIN_REPS = 5
@@ -333,7 +333,7 @@ def tune(op: str | KernelSpec, backend: str | Backend | None = None, *, budget_s
          out: Callable[[str], None] | None = None) -> TuneResult:
     """Search the op's tunables on one device and store the fastest oracle-correct schedule."""
     from ..api import call
-    from ..backends.base import KernelBackend
+    from ..backend.base import KernelBackend
     from ..core.sampling import Case, NumpyChooser
     from ..ops import get_op
     from ..runtime import selection

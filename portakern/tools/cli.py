@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .. import backends as registry
+    from ..backend import registry
     from ..core import settings
     from ..runtime import selection
 

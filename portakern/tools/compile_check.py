@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import toolchains
-from ..backends.cuda import COMPUTE_ARCHS
+from ..backend.cuda import COMPUTE_ARCHS
 from ..core import codegen, dtypes, settings
 from ..core.errors import CompileError, InvalidArgumentError, PortakernError
 from ..core.spec import KernelSpec, Problem

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import backends as registry
 from .._version import __version__
+from ..backend import registry
 from ..core import dtypes
 from ..core.errors import PortakernError
 from ..core.sampling import Chooser, NumpyChooser

@@ -58,8 +58,8 @@ def compile_everywhere(spec: KernelSpec, problems: Mapping[str, Problem]) -> lis
     Each device compiles every dtype it supports under every schedule, with the options it
     runs with; the programs stay in the backend's kernel cache, so the first real call is warm.
     """
-    from .. import backends as registry
-    from ..backends.base import KernelBackend
+    from ..backend import registry
+    from ..backend.base import KernelBackend
     from ..runtime import selection
 
     done: list[str] = []
@@ -131,14 +131,14 @@ def _compile_only(target: CompileOnlyTarget, spec: KernelSpec,
 def _trace_with_jax(spec: KernelSpec, prob: Problem) -> None:
     """The semantics must trace under jax.numpy (no in-place writes, no numpy-only calls) and
     give every output its declared shape."""
-    from .. import backends as registry
+    from ..backend import registry
 
     try:
         if not registry.availability("jax").available:
             return
         import jax
 
-        from ..backends.jax import lower_semantics
+        from ..backend.jax import lower_semantics
     except Exception:
         return
     if prob.empty_result:

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from .. import backends as registry
+from ..backend import registry
 from ..core import codegen, dtypes
 from ..core.errors import InvalidArgumentError
 from ..core.spec import KernelSpec, Problem

@@ -93,7 +93,7 @@ def _finite(x: float) -> float | None:
 def simulator() -> Any:
     """A fresh simulator instance with instruction counting on (its own OpenCL context)."""
     try:
-        from ..backends.oclgrind import OclgrindBackend, simulator_info
+        from ..backend.oclgrind import OclgrindBackend, simulator_info
     except Exception as exc:  # pyopencl missing
         raise BackendUnavailable(
             f"portakern trace needs the OpenCL backend: {exc}. Fix: pip install "
@@ -254,6 +254,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _is_simulator(name: str, dev: str | None) -> bool:
-    from ..backends.oclgrind import names_simulator
+    from ..backend.oclgrind import names_simulator
 
     return names_simulator(name, dev)

@@ -416,7 +416,7 @@ def test_cache_dir_governs_the_opencl_cache(tmp_path: Path, monkeypatch: pytest.
     included (<root>/pyopencl, not ~/.cache/pyopencl); PORTAKERN_OPENCL_CACHE still wins.
     Checked as the cache_dir a build hands PyOpenCL: PyOpenCL keeps no files of its own for
     PoCL or NVIDIA, whose drivers cache builds themselves."""
-    from portakern.backends.opencl import OpenCLBackend, cl
+    from portakern.backend.opencl import OpenCLBackend, cl
     from portakern.runtime import selection
 
     if not OpenCLBackend.probe().available:

@@ -237,7 +237,7 @@ def test_mutant_is_caught(name: str) -> None:
 # Faults whose values come out right on PoCL (work-items run one after another, a read past an
 # array lands in allocator slack, local memory holds yesterday's finite data), so the oracle
 # cannot see them; on a GPU they give wrong answers now and then. The Oclgrind simulator
-# (opencl:oclgrind, backends/test_simulator.py) reports each as a KernelFaultError of the named
+# (opencl:oclgrind, backend/test_simulator.py) reports each as a KernelFaultError of the named
 # kind. Each entry: op, old, new, config, dtype, fixed cases, the fault kind it must raise.
 SIMULATOR_MUTANTS = {
     # the last reduction step writes lm[0]/ls[0], which every item then reads: PoCL runs item
@@ -272,7 +272,7 @@ CAUGHT_BY = {**{name: "values" for name in MUTANTS},
 
 def _simulator_available() -> bool:
     try:
-        from portakern.backends.oclgrind import simulator_info
+        from portakern.backend.oclgrind import simulator_info
     except Exception:
         return False
     return simulator_info() is not None

@@ -23,7 +23,7 @@ from portakern.tools.show import representative_problem, show
 ROOT = Path(__file__).resolve().parents[2] / "portakern"
 BUILTIN_OPS = ("matmul", "softmax", "attention", "rmsnorm")
 # modules that read per-op metadata from specs: they name no op
-OP_BLIND = ("tools/compile_check.py", "tools/show.py", "backends/jax.py")
+OP_BLIND = ("tools/compile_check.py", "tools/show.py", "backend/jax.py")
 
 
 def _op_name_uses(path: Path, names: set[str]) -> list[str]:
@@ -53,7 +53,7 @@ def test_tools_keep_no_table_keyed_by_op_name(module: str) -> None:
     names = set(BUILTIN_OPS)
     pallas = attention.SPEC.pallas
     assert isinstance(pallas, PallasKernel)
-    if module.startswith("backends/"):  # nor the attention kernel's block names
+    if module.startswith("backend/"):  # nor the attention kernel's block names
         names |= {t.name for t in pallas.tunables} | set(pallas.aliases)
     assert _op_name_uses(ROOT / module, names) == []
 
@@ -69,7 +69,7 @@ def test_the_check_catches_a_returning_table(tmp_path: Path) -> None:
 
 
 def test_jax_backend_imports_no_op_module() -> None:
-    tree = ast.parse((ROOT / "backends" / "jax.py").read_text())
+    tree = ast.parse((ROOT / "backend" / "jax.py").read_text())
     mods = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     mods += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [m for m in mods if "ops" in m.split(".")], mods

@@ -36,8 +36,8 @@ import pytest
 from test_errors import BAD_CALLS
 
 import portakern as pk
-from portakern import backends as registry
-from portakern.backends.base import ArrayBackend, Backend, KernelBackend
+from portakern.backend import registry
+from portakern.backend.base import ArrayBackend, Backend, KernelBackend
 from portakern.core import dtypes
 from portakern.core.sampling import Case
 from portakern.core.spec import MAX_INDEX
@@ -696,7 +696,7 @@ class _BareBackend(ArrayBackend):
 
     @classmethod
     def _probe(cls) -> Any:
-        from portakern.backends.base import Availability
+        from portakern.backend.base import Availability
 
         return Availability(True)
 
@@ -707,7 +707,7 @@ class _BareBackend(ArrayBackend):
         raise AssertionError("a refused operand reached an allocation")
 
     def _open(self, selector: str | None) -> Any:
-        from portakern.backends.base import DeviceInfo
+        from portakern.backend.base import DeviceInfo
 
         return DeviceInfo(0, "bare", "cpu")
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import portakern as pk
-from portakern.backends.base import KernelBackend
+from portakern.backend.base import KernelBackend
 from portakern.core.errors import AliasingError, ContextMismatchError
 from portakern.ops import get_op
 from portakern.runtime import configs, selection

@@ -247,7 +247,7 @@ def test_compiles_for_cuda_under_nvrtc(dt: str) -> None:
         nvrtc.getVersion()
     except Exception as exc:  # pragma: no cover - depends on the machine
         pytest.skip(f"NVRTC cannot load: {exc}")
-    from portakern.backends.cuda import compile_options
+    from portakern.backend.cuda import compile_options
 
     src = codegen.render(SOURCE, "cuda", slots={"T": dt}, defines={"WG": 64})
     prog = nvrtc.createProgram(src, "gather.cu", [], [])

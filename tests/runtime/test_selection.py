@@ -117,7 +117,7 @@ def _available_targets() -> list[str]:
 def test_automatic_selection_reads_entry_points_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """importlib.metadata.entry_points() scans every installed distribution (~1 ms); it used
     to run on every call under automatic selection. Now once, and again on request."""
-    from portakern import backends as registry
+    from portakern.backend import registry
 
     calls = []
     real = registry.metadata.entry_points
@@ -176,8 +176,8 @@ def test_array_from_another_context_names_both_and_the_fix() -> None:
 def test_unregistering_a_plugin_backend_forgets_it() -> None:
     """``unregister_backend`` undoes ``register_backend``: the instances made of it are
     dropped, and its name is refused again (automatic selection never picked it)."""
-    from portakern import backends as registry
-    from portakern.backends.numpy import NumpyBackend
+    from portakern.backend import registry
+    from portakern.backend.numpy import NumpyBackend
 
     class Plugged(NumpyBackend):
         pass

@@ -53,8 +53,8 @@ import numpy as np
 import pytest
 
 import portakern as pk
-from portakern.backends import base
-from portakern.backends.base import Backend, KernelBackend
+from portakern.backend import base
+from portakern.backend.base import Backend, KernelBackend
 from portakern.core import dtypes
 from portakern.core.sampling import Case
 from portakern.ops import get_op
@@ -355,7 +355,7 @@ def test_churn_keeps_every_cache_and_rss_bounded(target: str,
     if target == "jax:pallas":
         pytest.skip("the Pallas path keeps its parameters static (LRU-bounded); "
                     "jax:cpu covers the XLA path")
-    jaxb = importlib.import_module("portakern.backends.jax") if target.startswith("jax") \
+    jaxb = importlib.import_module("portakern.backend.jax") if target.startswith("jax") \
         else None
     if jaxb is not None:
         monkeypatch.setattr(jaxb, "EXECUTABLE_CACHE_SIZE", 4)

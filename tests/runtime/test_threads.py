@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import portakern as pk
-from portakern.backends.base import Backend, KernelBackend
+from portakern.backend.base import Backend, KernelBackend
 from portakern.core import dtypes
 from portakern.core.sampling import Case
 from portakern.ops import get_op

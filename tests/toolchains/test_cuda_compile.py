@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import portakern as pk
-from portakern.backends import cuda as cuda_backend
-from portakern.backends.cuda import normalize_arch
+from portakern.backend import cuda as cuda_backend
+from portakern.backend.cuda import normalize_arch
 from portakern.core import codegen, dtypes
 from portakern.core.errors import CompileError
 from portakern.ops import OPS, get_op

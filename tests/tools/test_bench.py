@@ -448,7 +448,7 @@ def test_derive_picks_best_peer_and_roofline() -> None:
 
 # --- Ctrl-C writes what was measured -------------------------------------------------------------
 def test_interrupt_still_writes_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from portakern.backends.base import DeviceInfo
+    from portakern.backend.base import DeviceInfo
     from portakern.tools.bench import runner
 
     class Stub:
@@ -487,7 +487,7 @@ def test_probe_kernels_compile_for_cuda_with_nvrtc() -> None:
     except Exception as exc:  # pragma: no cover - depends on the machine
         pytest.skip(f"NVRTC cannot load: {exc}")
     try:
-        from portakern.backends.cuda import compile_options
+        from portakern.backend.cuda import compile_options
 
         opts = list(compile_options())
     except Exception:
@@ -524,7 +524,7 @@ def test_cpu_meter_reports_shares() -> None:
 # --- a tiny real run -----------------------------------------------------------------------------
 def _opencl_target() -> str:
     pytest.importorskip("pyopencl")
-    from portakern import backends as registry
+    from portakern.backend import registry
 
     av = registry.availability("opencl")
     if not av.available or not av.devices:
@@ -683,7 +683,7 @@ def test_a_user_op_is_benchmarked_with_its_semantics_peer(row_center_op: Any, tm
     assert npeer["info"]["env_seen"]["OPENBLAS_CORETYPE"] == "Haswell"
     xpeer = case["peers"]["xla"]
     assert xpeer["name"] == "XLA (spec semantics)" and "lower_semantics" in xpeer["what"]
-    from portakern import backends as registry
+    from portakern.backend import registry
 
     if registry.availability("jax").available:
         assert xpeer["status"] == "ok"
@@ -853,7 +853,7 @@ def test_an_op_without_sizes_is_named_not_fatal_in_the_default_op_list() -> None
 def test_handwritten_xla_peer_gets_only_present_operands() -> None:
     """attention's optional mask is None in every suite case; the hand-written XLA expression
     (q, k, v) must not be handed it (a regression of the generic operand order)."""
-    from portakern import backends as registry
+    from portakern.backend import registry
     from portakern.runtime import selection
     from portakern.tools.bench.peers import run_xla
 
@@ -892,8 +892,8 @@ class Target:
     owns: what ties a target to CLBlast and cupy) and a device of a kind."""
 
     def __init__(self, name: str, kind: str) -> None:
-        from portakern import backends as registry
-        from portakern.backends.base import DeviceInfo
+        from portakern.backend import registry
+        from portakern.backend.base import DeviceInfo
 
         cls = registry.load(name)
         assert isinstance(cls, type), cls

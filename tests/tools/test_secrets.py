@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from portakern import backends as registry
+from portakern.backend import registry
 from portakern.tools.bench import environment
 
 REPO = Path(__file__).resolve().parents[2]

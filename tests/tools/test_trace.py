@@ -25,7 +25,7 @@ pytestmark = pytest.mark.simulator
 @pytest.fixture(scope="module")
 def sim():  # noqa: ANN201
     try:
-        from portakern.backends.oclgrind import OclgrindBackend, simulator_info
+        from portakern.backend.oclgrind import OclgrindBackend, simulator_info
     except Exception as exc:
         pytest.skip(f"opencl:oclgrind needs pyopencl: {exc}")
     if simulator_info() is None:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import portakern as pk
-from portakern import backends as registry
+from portakern.backend import registry
 from portakern.core import cache, codegen
 from portakern.core.errors import InvalidArgumentError
 from portakern.core.sampling import NumpyChooser

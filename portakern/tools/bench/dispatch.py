@@ -29,7 +29,7 @@ and for each five implementations:
   once, then per call ``set_arg`` for each buffer and ``enqueue_nd_range_kernel``; CUDA the
   cupy ``Function`` call), arguments and workspace built once outside the timed region, as a
   user of the raw API would. Scalars are bound once there exactly as the plan's programs bind
-  them (backends/opencl.py ``_CLProgram``), so the overhead measured is portakern's host code
+  them (backend/opencl.py ``_CLProgram``), so the overhead measured is portakern's host code
   alone, not a difference in how arguments are set.
 
 Each implementation is timed two ways, in interleaved rounds (the order rotated each round),
@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from ...backends.base import Backend, KernelBackend
+from ...backend.base import Backend, KernelBackend
 from .timing import Clock, summarize
 
 VARIANTS = ("call", "call_out", "call_backend", "call_use", "raw")

@@ -146,7 +146,7 @@ def jax_info() -> dict[str, Any]:
 
 def opencl_info() -> dict[str, Any]:
     try:
-        from ... import backends as registry
+        from ...backend import registry
 
         av = registry.availability("opencl")
         return av.as_dict()

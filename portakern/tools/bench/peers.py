@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from ...backends.base import Backend
+from ...backend.base import Backend
 from ...ops import get_op
 from . import semantics_peer
 from .numpy_worker import TORCH_OPS
@@ -361,7 +361,7 @@ def run_xla(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None],
     else:  # the hand-written expressions take the operands the built-in cases have
         args = [jax.device_put(host[n], dev) for n in names if host[n] is not None]
     if semantic:
-        from ...backends.jax import lower_semantics
+        from ...backend.jax import lower_semantics
 
         f = jax.jit(lower_semantics(get_op(case.op), _validated_params(case, host), case.dtype))
     else:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ...backends.base import Backend, KernelBackend
+from ...backend.base import Backend, KernelBackend
 from ...core import codegen
 from ...core.spec import Launch
 from ...ops._common import cdiv

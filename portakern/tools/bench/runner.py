@@ -30,9 +30,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ... import backends as registry
 from ...api import call
-from ...backends.base import Backend, KernelBackend
+from ...backend import registry
+from ...backend.base import Backend, KernelBackend
 from ...core.errors import PortakernError
 from ...ops import get_op
 from ...runtime import configs, selection

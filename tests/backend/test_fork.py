@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import portakern as pk
-from portakern import backends as registry
+from portakern.backend import registry
 
 X = np.arange(32, dtype=np.float32).reshape(4, 8)
 TIMEOUT_S = 60

@@ -262,7 +262,7 @@ class Backend(abc.ABC):
     def after_fork_in_child(self) -> None:
         """Called in a child made by fork() for every backend instance the parent had: locks
         another thread may have held at the fork are made anew. (OpenCL, whose drivers cannot
-        survive fork, refuses its operations in its own at-fork hook: backends/opencl.py.)"""
+        survive fork, refuses its operations in its own at-fork hook: backend/opencl.py.)"""
         self._lock = threading.RLock()
         self.transfers._lock = threading.Lock()
 
@@ -489,7 +489,7 @@ def missing_members(cls: type) -> list[str]:
     """The required members a backend class does not implement (empty: complete). The
     registry refuses a class with any, naming them, when it loads it."""
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        return ["(not a subclass of portakern.backends.base.Backend)"]
+        return ["(not a subclass of portakern.backend.base.Backend)"]
     if not inspect.isabstract(cls):
         return []
     return sorted(getattr(cls, "__abstractmethods__", ()))

@@ -108,7 +108,7 @@ class _HighestPrecisionNumpy:
     GPUs (no TF32); ``preferred_element_type`` keeps accumulation in the compute dtype.
     """
 
-    __name__ = "portakern.backends.jax.xp"
+    __name__ = "portakern.backend.jax.xp"
 
     def __getattr__(self, name: str) -> Any:
         return getattr(jnp, name)

@@ -124,7 +124,7 @@ def _all_devices() -> list[tuple[Any, Any]]:
 
 
 # What extends the OpenCL backend without this module importing it (so no import cycle): the
-# Oclgrind simulator (backends/oclgrind.py, which the registry loads with this backend) adds
+# Oclgrind simulator (backend/oclgrind.py, which the registry loads with this backend) adds
 # its device to the probe's list and picks its own subclass for its selector.
 PROBE_HOOKS: list[Callable[[Availability], Availability]] = []
 SELECTOR_HOOKS: list[Callable[[str], type[OpenCLBackend] | None]] = []

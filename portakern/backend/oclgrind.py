@@ -10,7 +10,7 @@ uses of uninitialised values (OCLGRIND_UNINITIALIZED) and invalid OpenCL API use
 the kind, the rendered source line and the work-items. It also counts every instruction a
 launch executes, bytes loaded and stored per address space included (OCLGRIND_INST_COUNTS),
 which ``portakern trace`` reads. It is an interpreter (thousands of times slower than PoCL):
-never chosen automatically and not in the shared suite's targets; tests/backends/test_simulator.py
+never chosen automatically and not in the shared suite's targets; tests/backend/test_simulator.py
 sweeps it at small shapes. It proves nothing about timing or CUDA-only behaviour.
 
 How it is loaded. The package's ICD library (``liboclgrind-rt-icd.so``) is opened with ctypes

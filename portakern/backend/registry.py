@@ -1,4 +1,5 @@
-"""The backend registry: the in-tree table plus the entry-point group ``portakern.backends``.
+"""The backend registry (``pk.backends()`` is ``report``): the in-tree table plus the entry-point
+group ``portakern.backends``.
 
 Backends load lazily; one whose import raises is recorded as unavailable with the exception,
 and every other backend keeps working. This module is the only place that names backends.
@@ -8,9 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 import threading
-import types
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
@@ -18,15 +17,15 @@ from typing import Any
 from .base import Availability, Backend, missing_members
 
 IN_TREE: dict[str, str] = {
-    "numpy": "portakern.backends.numpy:NumpyBackend",
-    "opencl": "portakern.backends.opencl:OpenCLBackend",
-    "cuda": "portakern.backends.cuda:CudaBackend",
-    "jax": "portakern.backends.jax:JaxBackend",
+    "numpy": "portakern.backend.numpy:NumpyBackend",
+    "opencl": "portakern.backend.opencl:OpenCLBackend",
+    "cuda": "portakern.backend.cuda:CudaBackend",
+    "jax": "portakern.backend.jax:JaxBackend",
 }
 # Modules imported together with a backend, which extend it through its hooks: the Oclgrind
 # simulator adds opencl:oclgrind to the OpenCL backend. A companion that fails to import is
 # left out; the backend itself still works.
-COMPANIONS: dict[str, tuple[str, ...]] = {"opencl": ("portakern.backends.oclgrind",)}
+COMPANIONS: dict[str, tuple[str, ...]] = {"opencl": ("portakern.backend.oclgrind",)}
 ENTRY_POINT_GROUP = "portakern.backends"
 
 _LOCK = threading.Lock()
@@ -195,12 +194,3 @@ def report() -> dict[str, dict[str, Any]]:
     """Every registered backend: available?, devices, versions, or why not and how to fix."""
     return {name: availability(name).as_dict() for name in names()}
 
-
-class _CallableModule(types.ModuleType):
-    """``portakern.backends`` is this registry *and* callable: ``pk.backends()`` == report()."""
-
-    def __call__(self) -> dict[str, dict[str, Any]]:
-        return report()
-
-
-sys.modules[__name__].__class__ = _CallableModule

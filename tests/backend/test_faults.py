@@ -38,8 +38,8 @@ import numpy as np
 import pytest
 
 import portakern as pk
-from portakern import backends as registry
-from portakern.backends.base import (
+from portakern.backend import registry
+from portakern.backend.base import (
     ArrayBackend,
     Backend,
     DeviceInfo,
@@ -109,7 +109,7 @@ def _cuda_without_gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
     CuPy asks the current device for its architecture; with no driver that fails, so the
     (private) architecture hook is pinned to compute_80/PTX. Loading the module needs a GPU,
     so only the compile step is exercised — which is where CompileError is made."""
-    cuda = importlib.import_module("portakern.backends.cuda")
+    cuda = importlib.import_module("portakern.backend.cuda")
     if cuda.cp is None:
         pytest.skip(f"cupy is not importable: {registry.availability('cuda').reason}")
     try:
@@ -352,14 +352,14 @@ def test_opencl_real_refusal_of_an_output_over_max_alloc() -> None:
 def test_jax_allocation_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     if not _available("jax"):
         pytest.skip("jax unavailable: " + pk.backends()["jax"]["reason"])
-    jaxb = importlib.import_module("portakern.backends.jax")
+    jaxb = importlib.import_module("portakern.backend.jax")
     from jax.errors import JaxRuntimeError
 
     be = selection.get("jax:cpu")
 
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
-                              f"{A.nbytes} bytes (injected by tests/backends/test_faults.py)")
+                              f"{A.nbytes} bytes (injected by tests/backend/test_faults.py)")
 
     monkeypatch.setattr(jaxb.jax, "device_put", fail)
     with pytest.raises(pk.DeviceMemoryError) as info:
@@ -750,7 +750,7 @@ def test_memory_budget_reads_the_environment_and_limits(monkeypatch: pytest.Monk
 
 
 def test_a_backend_class_missing_a_part_is_refused_when_it_is_loaded() -> None:
-    """A backend is its required members (backends/base.py: the allocator, compiler and
+    """A backend is its required members (backend/base.py: the allocator, compiler and
     program parts, probing, devices): a class that lacks any is refused when the registry
     loads it, naming what is missing, not at its first call."""
 

@@ -38,7 +38,7 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 def _simulator_or_skip() -> None:
     """A failure under CI (scripts/setup.sh installs pyopencl and Oclgrind), else a skip."""
     try:
-        from portakern.backends.oclgrind import simulator_info
+        from portakern.backend.oclgrind import simulator_info
     except Exception as exc:  # pyopencl missing
         require_tool(None, f"opencl:oclgrind needs pyopencl ({exc})",
                      "pip install 'portakern[opencl]'")
@@ -217,7 +217,7 @@ def test_user_kernel_fault_raises(barrier: int, past_end: int, kind: str, line_h
 
 def test_simulator_is_never_automatic() -> None:
     _simulator_or_skip()
-    from portakern import backends as registry
+    from portakern.backend import registry
     from portakern.runtime import selection
 
     targets, _ = registry.available_targets()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import portakern as pk
-from portakern.backends.base import DeviceInfo, TransferCounter
+from portakern.backend.base import DeviceInfo, TransferCounter
 from portakern.core.lru import LRUCache
 from portakern.runtime.plan import PLANS
 
@@ -44,7 +44,7 @@ class FakeCupyArray:
 
 @pytest.fixture
 def cuda_stand_in(monkeypatch: pytest.MonkeyPatch) -> Any:
-    cuda = importlib.import_module("portakern.backends.cuda")
+    cuda = importlib.import_module("portakern.backend.cuda")
     if cuda.cp is None:
         pytest.skip("cupy is not importable, so the cuda backend module cannot be built")
     monkeypatch.setattr(cuda, "cp", SimpleNamespace(ndarray=FakeCupyArray))
