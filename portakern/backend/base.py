@@ -30,7 +30,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import numpy as np
 
 from ..core import dtypes, settings
-from ..core.errors import DeviceMemoryError, UnsupportedDTypeError
+from ..core.errors import DeviceMemoryError, ForkedProcessError, UnsupportedDTypeError
 from ..core.host import nbytes_of
 from ..core.lru import LRUCache  # also re-exported: plan, jax
 from ..core.spec import KernelSpec, Launch, Problem, storage_dtype
@@ -108,6 +108,60 @@ def _backends_after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_backends_after_fork_in_child)
+
+
+class ForkGuard:
+    """For a driver that does not survive fork(): once this process has initialised it
+    (``enter``), a child made by fork() refuses every device operation at once with
+    ForkedProcessError (``check`` before opening a device; the methods named in ``methods``
+    of every instance ``watch`` was given), instead of waiting forever on driver threads the
+    child does not have (PoCL's workers: measured, even a fresh context in the child hangs).
+    Children made by spawn or forkserver start clean, and so does a fork made before the
+    driver was first touched."""
+
+    FIX = ("create worker processes with the spawn or forkserver start method, e.g. "
+           "multiprocessing.get_context('spawn').Pool(...) or "
+           "concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("
+           "'forkserver')), or use the device only in the children")
+
+    def __init__(self, driver: str, methods: tuple[str, ...]) -> None:
+        self.driver, self.methods = driver, methods
+        self.initialised = self.forked = False
+        self._live: weakref.WeakSet = weakref.WeakSet()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def error(self, what: str) -> ForkedProcessError:
+        return ForkedProcessError(
+            f"{what} cannot be used in this process: it was created by fork() after its "
+            f"parent (pid {os.getppid()}) had initialised {self.driver}, and {self.driver} "
+            f"drivers do not survive fork (the first upload would wait forever). Fix: "
+            f"{self.FIX}.")
+
+    def check(self, what: str) -> None:
+        """Raise in a forked child; otherwise note that the driver is now initialised."""
+        if self.forked:
+            raise self.error(what)
+        self.initialised = True
+
+    def watch(self, instance: Backend) -> None:
+        self._live.add(instance)
+
+    def _after_fork_in_child(self) -> None:
+        if not self.initialised:
+            return  # nothing was initialised before the fork: the child may start it itself
+        self.forked = True
+        for inst in list(self._live):
+            label = inst.label
+
+            def refuse(*args: Any, _label: str = label, **kwargs: Any) -> Any:
+                raise self.error(_label)
+
+            for name in self.methods:  # the driver objects are left alone (releasing could
+                setattr(inst, name, refuse)  # block too); caches dropped: no plan enqueues
+            for value in vars(inst).values():
+                if isinstance(value, LRUCache):
+                    value.clear()
 
 
 # Called (no arguments) when a C-kernel backend's compiled-code cache evicts a program: the
@@ -247,9 +301,11 @@ class Backend(abc.ABC):
 
     @classmethod
     def test_targets(cls) -> list[str]:
-        """Selectors the shared test suite runs on: by default every device of the backend."""
+        """Selectors the shared test suite runs on: by default every device of the backend
+        but a simulator (``extra["simulator"]``: opencl:oclgrind has its own sweep)."""
         av = cls.probe()
-        return [f"{cls.name}:{d.index}" for d in av.devices] if av.available else []
+        return [f"{cls.name}:{d.index}" for d in av.devices
+                if not d.extra.get("simulator")] if av.available else []
 
     # --- instance: one device ------------------------------------------------------------
     def __init__(self, selector: str | None = None) -> None:

@@ -69,6 +69,7 @@ from ..core.errors import (
     InvalidArgumentError,
     UnknownBackendError,
 )
+from ..core.host import c_strides
 from ..core.lru import LRUCache
 from ..core.spec import Launch, storage_dtype
 from .base import KERNEL_CACHE_SIZE, Availability, DeviceInfo, KernelBackend
@@ -441,7 +442,7 @@ class CudaBackend(KernelBackend):
         if cp is None or not int(np.prod(shape, dtype=np.int64)):
             return None
         st = self._device_dtype(np.dtype(dtype))
-        strides, cls, dev = _c_strides(shape, st.itemsize), cp.ndarray, self.device.index
+        strides, cls, dev = c_strides(shape, st.itemsize), cp.ndarray, self.device.index
 
         def check(x: Any) -> Any:
             if x.__class__ is cls and x.strides == strides and x.dtype == st \
@@ -488,15 +489,6 @@ class _CudaProgram:
                                  f"{self.launch.groups} and block {self.launch.local} on "
                                  f"{self.label}")
                 raise
-
-
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    """The strides CuPy gives a C-contiguous array of this shape."""
-    out, step = [], itemsize
-    for d in reversed(shape):
-        out.append(step)
-        step *= max(int(d), 1)
-    return tuple(reversed(out))
 
 
 @dataclass(frozen=True)

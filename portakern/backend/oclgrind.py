@@ -55,7 +55,8 @@ from ..core.errors import BackendUnavailable, KernelFaultError, UnknownBackendEr
 from ..core.spec import Launch
 from . import opencl
 from .base import Availability, DeviceInfo
-from .opencl import OpenCLBackend, _all_devices, _is_allocation_failure, cl
+from .opencl import OpenCLBackend
+from .opencl_devices import all_devices, cl, is_allocation_failure
 
 ALIAS = "oclgrind"
 PURPOSE = ("the Oclgrind simulator: GPU-style execution with race, bounds, uninitialised-value "
@@ -101,7 +102,7 @@ def find_icd() -> str | None:
 
 def _registered_platform() -> Any:
     """The Oclgrind platform when the ICD loader already lists it (launcher or system ICD)."""
-    for plat, _ in _all_devices():
+    for plat, _ in all_devices():
         if plat.name.strip().lower().startswith("oclgrind"):
             return plat
     return None
@@ -577,7 +578,7 @@ class OclgrindBackend(OpenCLBackend):
                 try:
                     inner(buffers)
                 except cl.Error as exc:
-                    if _is_allocation_failure(exc):
+                    if is_allocation_failure(exc):
                         raise
                     failure = exc
             api, rest = _api_errors(err[0])

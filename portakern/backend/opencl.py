@@ -10,8 +10,6 @@ default, which the tolerance rules allow); fp16 storage uses core vload_half/vst
 from __future__ import annotations
 
 import contextlib
-import os
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,107 +19,32 @@ from ..core import dtypes, settings
 from ..core.errors import (
     BackendUnavailable,
     CompileError,
+    ContextMismatchError,
     DeviceMemoryError,
-    ForkedProcessError,
+    InvalidArgumentError,
     UnknownBackendError,
 )
-from ..core.host import native_byte_order
+from ..core.host import c_strides, native_byte_order
 from ..core.lru import LRUCache
 from ..core.spec import Launch, storage_dtype
 from .base import Availability, DeviceInfo, KernelBackend, MemoryLimits
-
-try:  # optional dependency: guarded, with an install hint in the availability record
-    import pyopencl as cl
-    import pyopencl.array as cla
-
-    _IMPORT_ERROR: Exception | None = None
-except Exception as exc:  # pragma: no cover - depends on the machine
-    cl = cla = None  # type: ignore[assignment]  # pyopencl is optional
-    _IMPORT_ERROR = exc
+from .opencl_devices import (
+    DEFAULT_RULE,
+    FORK_GUARD,
+    all_devices,
+    cache_dir,
+    cl,
+    cla,
+    default_device,
+    is_allocation_failure,
+    probe_devices,
+    select_device,
+)
 
 BUILD_OPTIONS: tuple[str, ...] = ()
 # output templates kept per backend instance, one per (shape, dtype): least recently made
 # dropped beyond (``empty``), like the plan cache's bound
 OUTPUT_TEMPLATE_CACHE_SIZE = 4096
-
-# OpenCL status codes that mean "this allocation cannot be had", whatever exception class
-# pyopencl maps them to: MEM_OBJECT_ALLOCATION_FAILURE (MemoryError), OUT_OF_RESOURCES and
-# OUT_OF_HOST_MEMORY (RuntimeError), INVALID_BUFFER_SIZE (LogicError: more than the device's
-# max_mem_alloc_size, e.g. an output that fits 32-bit indexing but not one buffer).
-_ALLOCATION_FAILURES = frozenset((-4, -5, -6, -61))
-
-
-def _is_allocation_failure(exc: BaseException) -> bool:
-    if cl is None or not isinstance(exc, cl.Error):
-        return False
-    if isinstance(exc, cl.MemoryError):
-        return True
-    try:
-        return int(exc.code) in _ALLOCATION_FAILURES
-    except Exception:  # an Error built by hand has no status record
-        return False
-
-
-def _kind(dev: Any) -> str:
-    t = dev.type
-    if t & cl.device_type.GPU:
-        return "gpu"
-    if t & cl.device_type.CPU:
-        return "cpu"
-    return "accelerator"
-
-
-# --- fork ----------------------------------------------------------------------------------
-# An OpenCL driver does not survive fork: PoCL's worker threads (and a GPU driver's state) are
-# not copied into the child, so the child's first upload or kernel waits forever, even on a
-# context it creates itself (measured on PoCL 3.1: a fresh context in the child hangs too).
-# So once this process has initialised OpenCL (listed its platforms), a forked child refuses
-# every OpenCL operation at once with ForkedProcessError; children made by spawn or forkserver
-# start clean and work. Nothing else changes in the child: numpy (and jax on CPU) keep working.
-_INITIALISED = False  # this process has called into the OpenCL ICD
-_FORKED = False  # ... and this process is a fork of one that had
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # every OpenCLBackend instance of this process
-
-FORK_FIX = ("create worker processes with the spawn or forkserver start method, e.g. "
-            "multiprocessing.get_context('spawn').Pool(...) or "
-            "concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("
-            "'forkserver')), or use OpenCL only in the children")
-
-
-def fork_error(what: str = "OpenCL") -> ForkedProcessError:
-    return ForkedProcessError(
-        f"{what} cannot be used in this process: it was created by fork() after its parent "
-        f"(pid {os.getppid()}) had initialised OpenCL, and OpenCL drivers do not survive fork "
-        f"(the first upload would wait forever). Fix: {FORK_FIX}.")
-
-
-def _after_fork_in_child() -> None:
-    global _FORKED
-    if not _INITIALISED:
-        return  # nothing was initialised before the fork: the child may start OpenCL itself
-    _FORKED = True
-    for inst in list(_LIVE):
-        inst._disable_after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _all_devices() -> list[tuple[Any, Any]]:
-    global _INITIALISED
-    if _FORKED:
-        raise fork_error()
-    _INITIALISED = True
-    out = []
-    for plat in cl.get_platforms():
-        try:
-            devs = plat.get_devices()
-        except cl.Error:
-            continue
-        out.extend((plat, d) for d in devs)
-    return out
-
 
 # What extends the OpenCL backend without this module importing it (so no import cycle): the
 # Oclgrind simulator (backend/oclgrind.py, which the registry loads with this backend) adds
@@ -150,99 +73,42 @@ class OpenCLBackend(KernelBackend):
 
     @classmethod
     def _probe(cls) -> Availability:
-        av = cls._probe_devices()
+        av = probe_devices()
         for hook in PROBE_HOOKS:  # e.g. opencl:oclgrind, one more device when installed
             av = hook(av)
         return av
 
     @classmethod
-    def _probe_devices(cls) -> Availability:
-        if cl is None:
-            return Availability(False, f"pyopencl is not importable ({_IMPORT_ERROR})",
-                                "pip install 'portakern[opencl]'")
-        versions = {"pyopencl": cl.VERSION_TEXT}
-        try:
-            pairs = _all_devices()
-        except cl.Error as exc:
-            return Availability(False, f"no OpenCL platform found ({exc})",
-                                "apt-get install pocl-opencl-icd (CPU), or install your GPU "
-                                "vendor's OpenCL driver (ICD)", versions)
-        if not pairs:
-            return Availability(False, "OpenCL platforms exist but expose no device",
-                                "check the driver installation (clinfo lists devices)", versions)
-        devices = []
-        for i, (plat, d) in enumerate(pairs):
-            devices.append(DeviceInfo(
-                index=i, name=d.name.strip(), kind=_kind(d), vendor=d.vendor.strip(),
-                driver=d.driver_version, platform=f"{plat.name} {plat.version}".strip(),
-                fp64="cl_khr_fp64" in d.extensions,
-                max_work_group_size=int(d.max_work_group_size),
-                local_mem_bytes=int(d.local_mem_size), compute_units=int(d.max_compute_units),
-                extra={"opencl_c": d.opencl_c_version,
-                       "fp16_arith": "cl_khr_fp16" in d.extensions}))
-        return Availability(True, versions=versions, devices=devices)
-
-    @classmethod
     def auto_choices(cls) -> list[tuple[int, str, str]]:
+        """The default device (``default_device``) of the automatic choice: a GPU scores 80,
+        an accelerator 40, a CPU 30."""
         av = cls.probe()
-        if not av.available:
+        d = default_device(av.devices) if av.available else None
+        if d is None:
             return []
-        out = []
-        for d in av.devices:
-            if d.extra.get("simulator"):  # opencl:oclgrind is slow: only ever on request
-                continue
-            score = 80 if d.kind == "gpu" else 40 if d.kind == "accelerator" else 30
-            out.append((score, f"opencl:{d.index}",
-                        f"OpenCL {d.kind} {d.name} ({d.platform})"))
-        return out
+        score = 80 if d.kind == "gpu" else 40 if d.kind == "accelerator" else 30
+        return [(score, f"opencl:{d.index}", f"OpenCL {d.kind} {d.name} ({d.platform}), "
+                 f"opencl:{d.extra.get('alias', d.index)}; {DEFAULT_RULE}")]
 
     @classmethod
     def canonical_device(cls, device: str | None) -> str | None:
-        """'', None (automatic) -> the default device's index; '00' -> '0'. Names (such as
-        'oclgrind') are kept for ``_open``."""
+        """'', None (automatic) -> the default device's index; '00' -> '0'; 'pocl' -> its
+        index. A selector naming no device is kept for ``_open`` to refuse."""
         av = cls.probe()
-        if device in (None, ""):
-            real = [d for d in av.devices if not d.extra.get("simulator")]
-            if not real:
-                return device
-            gpus = [d for d in real if d.kind == "gpu"]
-            return str((gpus or real)[0].index)
-        if device.isdigit():
-            return str(int(device))
-        named = [d for d in av.devices if d.extra.get("simulator") and device == "oclgrind"]
-        return str(named[0].index) if named else device
+        try:
+            return str(select_device(av.devices, device).index)
+        except UnknownBackendError:
+            return device
 
     def _open(self, selector: str | None) -> DeviceInfo:
-        if _FORKED:
-            raise fork_error(f"opencl:{selector}" if selector else "opencl")
+        FORK_GUARD.check(f"opencl:{selector}" if selector else "opencl")
         av = self.probe()
         if not av.available:
             raise BackendUnavailable(f"opencl cannot run here: {av.reason}. Fix: {av.fix}.")
-        if selector in (None, ""):
-            real = [d for d in av.devices if not d.extra.get("simulator")]
-            if not real:
-                raise BackendUnavailable("the only OpenCL device here is the Oclgrind simulator;"
-                                         " select it by name: opencl:oclgrind")
-            gpus = [d for d in real if d.kind == "gpu"]
-            info = (gpus or real)[0]
-        else:
-            try:
-                if not selector.isdigit():  # int() would take '0_0' and ' 0'
-                    raise ValueError(selector)
-                idx = int(selector)
-            except ValueError:
-                raise UnknownBackendError(
-                    f"opencl device selector must be an index, e.g. opencl:0; got "
-                    f"opencl:{selector}. Devices: "
-                    + "; ".join(f"{d.index}={d.name}" for d in av.devices)) from None
-            if not 0 <= idx < len(av.devices):
-                raise BackendUnavailable(
-                    f"opencl:{idx} does not exist; this machine has {len(av.devices)} OpenCL "
-                    "device(s): " + "; ".join(f"opencl:{d.index} = {d.name}" for d in av.devices))
-            info = av.devices[idx]
+        info = select_device(av.devices, selector)
         self._cl_device = self._device_handle(info)
         self.ctx = cl.Context([self._cl_device])
-        _LIVE.add(self)
+        FORK_GUARD.watch(self)
         self._limits = (int(self._cl_device.max_mem_alloc_size),
                         int(self._cl_device.global_mem_size))
         # (shape, dtype) -> (attributes of a new Array, nbytes): see ``empty``
@@ -258,13 +124,6 @@ class OpenCLBackend(KernelBackend):
             self.memory_pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
         return info
 
-    @classmethod
-    def test_targets(cls) -> list[str]:
-        """Every device but the simulator: opencl:oclgrind has its own sweep (test_simulator)."""
-        av = cls.probe()
-        return [f"opencl:{d.index}" for d in av.devices
-                if not d.extra.get("simulator")] if av.available else []
-
     @property
     def cl_device(self) -> Any:
         """The ``pyopencl.Device`` this backend runs on (its context is ``ctx``, its queue
@@ -273,31 +132,9 @@ class OpenCLBackend(KernelBackend):
 
     def _device_handle(self, info: DeviceInfo) -> Any:
         """The pyopencl Device behind a probed DeviceInfo (the simulator overrides it)."""
-        return _all_devices()[info.index][1]
+        return all_devices()[info.index][1]
 
     _limits: tuple[int, int] = (1 << 62, 1 << 62)  # (max_mem_alloc_size, global_mem_size)
-
-    # what a forked child may no longer call (see _after_fork_in_child)
-    _DEVICE_METHODS = ("to_native", "to_numpy", "empty", "zeros", "program", "buffer_arg",
-                       "argument_checker", "held_queue", "raw_launcher", "synchronize",
-                       "prepare_native", "compile", "free_pooled_memory", "fill_zero",
-                       "kernels_for")
-
-    def _disable_after_fork(self) -> None:
-        """In a forked child: every device operation of this instance raises at once. The
-        driver objects are left alone (releasing them could block too); caches are dropped
-        so no plan can reach an enqueue."""
-        label = self.label
-
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise fork_error(label)
-
-        for name in self._DEVICE_METHODS:
-            setattr(self, name, refuse)
-        for cache in ("_kernels", "_output_templates"):
-            c = getattr(self, cache, None)
-            if c is not None:
-                c.clear()
 
     # arrays
     def is_native(self, x: object) -> bool:
@@ -322,8 +159,6 @@ class OpenCLBackend(KernelBackend):
         if ctx is not self.ctx and ctx != self.ctx:  # identity first: the per-call path
             raise self._context_error(name, x)
         if x.offset or not x.flags.c_contiguous:
-            from ..core.errors import InvalidArgumentError
-
             raise InvalidArgumentError(
                 f"argument {name!r} is a non-contiguous or offset pyopencl view (strides "
                 f"{x.strides}, offset {x.offset}); expected a contiguous array. Pass x.copy().")
@@ -332,9 +167,7 @@ class OpenCLBackend(KernelBackend):
             bd = x.base_data
             have = -1 if bd is None else bd.size
             if nbytes > have or nbytes != x.size * x.dtype.itemsize:
-                from ..core.errors import InvalidArgumentError
-
-                raise InvalidArgumentError(
+                    raise InvalidArgumentError(
                     f"argument {name!r} (pyopencl Array, shape {tuple(x.shape)}, dtype "
                     f"{dtypes.dtype_name(x.dtype)}) needs {x.size * x.dtype.itemsize} bytes but "
                     f"its buffer holds {max(have, 0)} (nbytes {nbytes}); the kernel would read "
@@ -357,7 +190,7 @@ class OpenCLBackend(KernelBackend):
         nbytes = int(np.prod(shape, dtype=np.int64)) * st.itemsize
         if not nbytes:
             return None  # an empty operand: buffer_arg's placeholder, on the checked path
-        strides = _c_strides(shape, st.itemsize)
+        strides = c_strides(shape, st.itemsize)
         cls, ctx, queue = cla.Array, self.ctx, self.queue
         read_only = cl.mem_flags.READ_ONLY if writable else 0
 
@@ -377,8 +210,6 @@ class OpenCLBackend(KernelBackend):
     def check_writable(self, spec: Any, out: Any) -> None:
         bd = out.base_data
         if bd is not None and bd.flags & cl.mem_flags.READ_ONLY:
-            from ..core.errors import InvalidArgumentError
-
             raise InvalidArgumentError(
                 f"{spec.name}: out= is backed by a READ_ONLY OpenCL buffer; the kernel must "
                 "write it. Expected a READ_WRITE (or WRITE_ONLY) array: make it with "
@@ -393,7 +224,6 @@ class OpenCLBackend(KernelBackend):
     def _context_error(self, name: str, x: Any) -> Exception:
         """Both contexts named (their devices, and the portakern backend that owns the array's
         context when there is one) and the fix."""
-        from ..core.errors import ContextMismatchError
         from .base import _INSTANCES
 
         def devices(ctx: Any) -> str:
@@ -421,7 +251,7 @@ class OpenCLBackend(KernelBackend):
         try:
             return cla.to_device(self.queue, x, allocator=self._new_buffer)
         except cl.Error as exc:
-            if not _is_allocation_failure(exc):
+            if not is_allocation_failure(exc):
                 raise
             raise self._oom(f"an input {x.shape} {dtypes.dtype_name(x.dtype)}", x.nbytes,
                             exc) from None
@@ -449,7 +279,7 @@ class OpenCLBackend(KernelBackend):
         try:
             data = self._new_buffer(nbytes)
         except cl.Error as exc:
-            if not _is_allocation_failure(exc):
+            if not is_allocation_failure(exc):
                 raise
             raise self._oom(f"an output {shape} {dtype}", nbytes, exc) from None
         return cla.Array(None, shape, st, allocator=self._new_buffer, strides=strides,
@@ -480,7 +310,7 @@ class OpenCLBackend(KernelBackend):
         try:
             return pool.allocate(nbytes)
         except cl.Error as exc:
-            if not _is_allocation_failure(exc):
+            if not is_allocation_failure(exc):
                 raise
             pool.free_held()
             return pool.allocate(nbytes)
@@ -499,7 +329,7 @@ class OpenCLBackend(KernelBackend):
         try:
             return fn(self.queue, shape, st, allocator=self._new_buffer)
         except cl.Error as exc:
-            if not (_is_allocation_failure(exc) or isinstance(exc, cl.RuntimeError)):
+            if not (is_allocation_failure(exc) or isinstance(exc, cl.RuntimeError)):
                 raise
             nbytes = int(np.prod(shape, dtype=np.int64)) * st.itemsize
             raise self._oom(f"an output {shape} {dtype}", nbytes, exc) from None
@@ -512,7 +342,7 @@ class OpenCLBackend(KernelBackend):
         options = list(BUILD_OPTIONS) + list(self.extra_build_options)
         prg = cl.Program(self.ctx, source)
         try:
-            prg = prg.build(options=options, devices=[self._cl_device], cache_dir=_cache_dir())
+            prg = prg.build(options=options, devices=[self._cl_device], cache_dir=cache_dir())
         except cl.RuntimeError as exc:
             try:
                 log = prg.get_build_info(self._cl_device, cl.program_build_info.LOG)
@@ -520,7 +350,10 @@ class OpenCLBackend(KernelBackend):
                 log = str(exc)
             raise CompileError("OpenCL build failed", source=source, log=log or str(exc),
                                options=tuple(options), device=self.describe()) from None
-        return {name: cl.Kernel(prg, name) for name in entry_points}
+        kernels = {name: cl.Kernel(prg, name) for name in entry_points}
+        for k in kernels.values():  # kept: some drivers (Intel's CPU runtime) refuse to
+            k.built_program = prg  # hand a kernel's program back (INVALID_PROGRAM)
+        return kernels
 
     def buffer_arg(self, x: Any) -> Any:
         return x.base_data if x.size else cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY, 1)
@@ -541,7 +374,7 @@ class OpenCLBackend(KernelBackend):
                      buffers: Mapping[str, Any]) -> Any:
         """A kernel object of its own with every argument set once; per call the buffers are
         set again and the kernel enqueued, as code written against the OpenCL API does."""
-        own = cl.Kernel(kernel.program, kernel.function_name)
+        own = cl.Kernel(kernel.built_program, kernel.function_name)
         bufs = [(i, self.buffer_arg(buffers[a])) for i, a in enumerate(template)
                 if a.__class__ is str]
         for i, a in enumerate(template):
@@ -577,7 +410,7 @@ class OpenCLBackend(KernelBackend):
     def launch_failed(self, launch: Launch, buffers: Sequence[Any], exc: BaseException) -> None:
         """A failed enqueue: an allocation failure (drivers may allocate buffers lazily, at
         first launch) becomes DeviceMemoryError naming the kernel; anything else is raised."""
-        if not _is_allocation_failure(exc):
+        if not is_allocation_failure(exc):
             raise exc
         nbytes = sum(int(a.size) for a in buffers if isinstance(a, cl.MemoryObjectHolder))
         raise self._oom(f"the buffers of kernel {launch.kernel!r}", nbytes, exc) from None
@@ -595,7 +428,7 @@ class _CLProgram:
 
     def __init__(self, backend: OpenCLBackend, kernel: Any, launch: Launch,
                  template: Sequence[Any]) -> None:
-        own = cl.Kernel(kernel.program, kernel.function_name)
+        own = cl.Kernel(kernel.built_program, kernel.function_name)
         # declared once: without it PyOpenCL probes each scalar's type on every set_arg
         own.set_arg_types([None if a.__class__ is str else a.dtype for a in template])
         for i, a in enumerate(template):
@@ -614,34 +447,3 @@ class _CLProgram:
                                        launch.local)
         except cl.Error as exc:
             self.backend.launch_failed(launch, buffers, exc)
-
-
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    """The strides numpy (and pyopencl) give a C-contiguous array of this shape."""
-    out, step = [], itemsize
-    for d in reversed(shape):
-        out.append(step)
-        step *= max(int(d), 1)
-    return tuple(reversed(out))
-
-
-def _cache_dir() -> str | None:
-    """PyOpenCL's binary cache directory (None = PyOpenCL's default under the user cache dir).
-
-    ``$PORTAKERN_OPENCL_CACHE`` if set; else, when ``$PORTAKERN_CACHE_DIR`` is set (the root
-    of every portakern cache), a ``pyopencl`` directory under it. Without either, PyOpenCL's
-    own default, except without a home directory ($HOME unset, no passwd entry, no
-    XDG_CACHE_HOME), where PyOpenCL's default would be a literal '~' directory under the
-    working directory: then a ``pyopencl`` directory under portakern's cache root too (with
-    its fallback and warning)."""
-    env = settings.cache.opencl
-    if env:
-        return env
-    if not settings.cache.dir:
-        if os.environ.get("HOME") or os.environ.get("XDG_CACHE_HOME"):
-            return None
-        if os.path.expanduser("~") != "~":
-            return None
-    from ..core.cache import cache_root
-
-    return str(cache_root() / "pyopencl")

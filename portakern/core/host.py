@@ -146,6 +146,16 @@ def host_copy_bytes(x: Any, contiguous: bool = True) -> int:
         return 0
 
 
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """The strides numpy (and CuPy, pyopencl) give a C-contiguous array of this shape: the
+    runners' fast argument checks compare an operand's strides with these."""
+    out, step = [], itemsize
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(int(d), 1)
+    return tuple(reversed(out))
+
+
 def native_byte_order(arr: np.ndarray) -> np.ndarray:
     """``arr`` itself when its dtype is in the machine's byte order, else a converted copy."""
     if arr.dtype.isnative:

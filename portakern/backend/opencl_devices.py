@@ -1,0 +1,188 @@
+"""Which OpenCL devices this machine has and what they are called, shared by the opencl
+backend (opencl.py) and its simulator device (oclgrind.py).
+
+Devices are listed through the ICD loader, in its order (``opencl:0``, ``opencl:1``, ...), and
+named by their platform (``opencl:pocl``, ``opencl:intel``, ``opencl:oclgrind``): an index
+moves when a platform is added, a name does not. The default device follows one stated rule
+(``DEFAULT_RULE``). OpenCL drivers do not survive fork(): ``FORK_GUARD``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from ..core import settings
+from ..core.errors import BackendUnavailable, UnknownBackendError
+from .base import Availability, DeviceInfo, ForkGuard
+
+try:  # optional dependency: guarded, with an install hint in the availability record
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    _IMPORT_ERROR: Exception | None = None
+except Exception as exc:  # pragma: no cover - depends on the machine
+    cl = cla = None  # type: ignore[assignment]  # pyopencl is optional
+    _IMPORT_ERROR = exc
+
+# OpenCL status codes that mean "this allocation cannot be had", whatever exception class
+# pyopencl maps them to: MEM_OBJECT_ALLOCATION_FAILURE (MemoryError), OUT_OF_RESOURCES and
+# OUT_OF_HOST_MEMORY (RuntimeError), INVALID_BUFFER_SIZE (LogicError: more than the device's
+# max_mem_alloc_size, e.g. an output that fits 32-bit indexing but not one buffer).
+_ALLOCATION_FAILURES = frozenset((-4, -5, -6, -61))
+
+
+def is_allocation_failure(exc: BaseException) -> bool:
+    if cl is None or not isinstance(exc, cl.Error):
+        return False
+    if isinstance(exc, cl.MemoryError):
+        return True
+    try:
+        return int(exc.code) in _ALLOCATION_FAILURES
+    except Exception:  # an Error built by hand has no status record
+        return False
+
+
+def device_kind(dev: Any) -> str:
+    t = dev.type
+    if t & cl.device_type.GPU:
+        return "gpu"
+    if t & cl.device_type.CPU:
+        return "cpu"
+    return "accelerator"
+
+
+# OpenCL drivers do not survive fork() (PoCL's worker threads are not copied into the
+# child): after this process has listed its platforms, a forked child refuses every device
+# operation (base.ForkGuard).
+FORK_GUARD = ForkGuard("OpenCL", (
+    "to_native", "to_numpy", "empty", "zeros", "program", "buffer_arg", "argument_checker",
+    "held_queue", "raw_launcher", "synchronize", "prepare_native", "compile",
+    "free_pooled_memory", "fill_zero", "kernels_for"))
+
+# Short, stable device names by platform (``opencl:pocl``, ``opencl:intel``), beside the
+# indices, which change when a platform is added: (platform name starts with, alias). A
+# platform not listed is named by the first word of its name; a second device of one
+# platform adds its position (``pocl1``).
+PLATFORM_ALIASES: tuple[tuple[str, str], ...] = (
+    ("portable computing language", "pocl"), ("intel(r) opencl", "intel"),
+    ("intel(r) fpga", "intelfpga"), ("nvidia", "nvidia"), ("amd accelerated", "amd"),
+    ("oclgrind", "oclgrind"), ("clover", "clover"), ("rusticl", "rusticl"))
+# Automatic choice among the CPU implementations (after any GPU): PoCL, the embedded default
+# the benchmarks are quoted on, then the others in the ICD loader's order.
+PREFERRED_CPU_ALIASES: tuple[str, ...] = ("pocl",)
+
+
+def platform_alias(platform_name: str) -> str:
+    low = platform_name.strip().lower()
+    got = next((alias for start, alias in PLATFORM_ALIASES if low.startswith(start)), "")
+    return got or re.sub(r"[^a-z0-9]", "", (low.split() or ["opencl"])[0]) or "opencl"
+
+
+def all_devices() -> list[tuple[Any, Any]]:
+    FORK_GUARD.check("OpenCL")
+    out = []
+    for plat in cl.get_platforms():
+        try:
+            devs = plat.get_devices()
+        except cl.Error:
+            continue
+        out.extend((plat, d) for d in devs)
+    return out
+
+
+DEFAULT_RULE = ("the default OpenCL device: the first GPU, else the first accelerator, else "
+                "the first CPU implementation in the order PoCL, then the ICD loader's; "
+                "never the simulator")
+
+
+def default_device(devices: Sequence[DeviceInfo]) -> DeviceInfo | None:
+    """The device ``opencl`` with no device names (DEFAULT_RULE); None: only the simulator."""
+    real = [d for d in devices if not d.extra.get("simulator")]
+
+    def rank(d: DeviceInfo) -> tuple[int, int, int]:
+        kind = {"gpu": 0, "accelerator": 1}.get(d.kind, 2)
+        alias = str(d.extra.get("alias", ""))
+        pref = PREFERRED_CPU_ALIASES.index(alias) if alias in PREFERRED_CPU_ALIASES else \
+            len(PREFERRED_CPU_ALIASES)
+        return kind, pref if kind == 2 else 0, d.index
+
+    return min(real, key=rank) if real else None
+
+
+def select_device(devices: Sequence[DeviceInfo], selector: str | None) -> DeviceInfo:
+    """The device a selector names: none (the default device), an index or an alias."""
+    listing = "; ".join(f"opencl:{d.index} = opencl:{d.extra.get('alias', '?')} = {d.name}"
+                        for d in devices)
+    if selector in (None, ""):
+        got = default_device(devices)
+        if got is None:
+            raise BackendUnavailable("the only OpenCL device here is the Oclgrind simulator;"
+                                     " select it by name: opencl:oclgrind")
+        return got
+    if selector.isdigit():  # int() alone would take '0_0' and ' 0'
+        idx = int(selector)
+        if not 0 <= idx < len(devices):
+            raise BackendUnavailable(f"opencl:{idx} does not exist; this machine has "
+                                     f"{len(devices)} OpenCL device(s): {listing}")
+        return devices[idx]
+    named = [d for d in devices if d.extra.get("alias") == selector]
+    if not named:
+        raise UnknownBackendError(f"opencl:{selector} names no OpenCL device; expected an "
+                                  f"index or a platform's name. Devices: {listing}")
+    return named[0]
+
+
+def probe_devices() -> Availability:
+    """Every OpenCL device the ICD loader lists, each with its alias; or why there is none."""
+    if cl is None:
+        return Availability(False, f"pyopencl is not importable ({_IMPORT_ERROR})",
+                            "pip install 'portakern[opencl]'")
+    versions = {"pyopencl": cl.VERSION_TEXT}
+    try:
+        pairs = all_devices()
+    except cl.Error as exc:
+        return Availability(False, f"no OpenCL platform found ({exc})",
+                            "apt-get install pocl-opencl-icd (CPU), or install your GPU "
+                            "vendor's OpenCL driver (ICD)", versions)
+    if not pairs:
+        return Availability(False, "OpenCL platforms exist but expose no device",
+                            "check the driver installation (clinfo lists devices)", versions)
+    devices: list[DeviceInfo] = []
+    seen: dict[str, int] = {}  # alias -> devices of it so far
+    for i, (plat, d) in enumerate(pairs):
+        alias = platform_alias(plat.name)
+        n = seen[alias] = seen.get(alias, -1) + 1
+        devices.append(DeviceInfo(
+            index=i, name=d.name.strip(), kind=device_kind(d), vendor=d.vendor.strip(),
+            driver=d.driver_version, platform=f"{plat.name} {plat.version}".strip(),
+            fp64="cl_khr_fp64" in d.extensions,
+            max_work_group_size=int(d.max_work_group_size),
+            local_mem_bytes=int(d.local_mem_size), compute_units=int(d.max_compute_units),
+            extra={"opencl_c": d.opencl_c_version, "alias": alias + (str(n) if n else ""),
+                   "fp16_arith": "cl_khr_fp16" in d.extensions}))
+    return Availability(True, versions=versions, devices=devices)
+
+
+def cache_dir() -> str | None:
+    """PyOpenCL's binary cache directory (None = PyOpenCL's default under the user cache dir).
+
+    ``$PORTAKERN_OPENCL_CACHE`` if set; else, when ``$PORTAKERN_CACHE_DIR`` is set (the root
+    of every portakern cache), a ``pyopencl`` directory under it. Without either, PyOpenCL's
+    own default, except without a home directory ($HOME unset, no passwd entry, no
+    XDG_CACHE_HOME), where PyOpenCL's default would be a literal '~' directory under the
+    working directory: then a ``pyopencl`` directory under portakern's cache root too (with
+    its fallback and warning)."""
+    env = settings.cache.opencl
+    if env:
+        return env
+    if not settings.cache.dir:
+        if os.environ.get("HOME") or os.environ.get("XDG_CACHE_HOME"):
+            return None
+        if os.path.expanduser("~") != "~":
+            return None
+    from ..core.cache import cache_root
+
+    return str(cache_root() / "pyopencl")

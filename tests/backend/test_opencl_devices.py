@@ -1,0 +1,96 @@
+"""OpenCL devices by name and the default device's rule (backend/opencl_devices.py), and
+launches that never ask a driver for a kernel's program (Intel's CPU runtime refuses:
+clRetainProgram INVALID_PROGRAM)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import portakern as pk
+from portakern.backend.base import DeviceInfo
+from portakern.core.errors import UnknownBackendError
+from portakern.runtime import selection
+
+
+def _dev(index: int, kind: str, alias: str, simulator: bool = False) -> DeviceInfo:
+    extra = {"alias": alias, **({"simulator": True} if simulator else {})}
+    return DeviceInfo(index=index, name=f"dev{index}", kind=kind, extra=extra)
+
+
+def _opencl_devices() -> list[dict]:
+    info = pk.backends()["opencl"]
+    if not info["available"]:
+        pytest.skip("opencl unavailable: " + info["reason"])
+    return info["devices"]
+
+
+def test_platform_aliases() -> None:
+    from portakern.backend.opencl_devices import platform_alias
+
+    assert platform_alias("Portable Computing Language") == "pocl"
+    assert platform_alias("Intel(R) OpenCL") == "intel"
+    assert platform_alias("Oclgrind") == "oclgrind"
+    assert platform_alias("NVIDIA CUDA") == "nvidia"
+    assert platform_alias("Some New-Vendor OpenCL") == "some"
+
+
+def test_default_rule_gpu_then_accelerator_then_pocl_then_loader_order() -> None:
+    from portakern.backend.opencl_devices import default_device
+
+    intel, pocl = _dev(0, "cpu", "intel"), _dev(1, "cpu", "pocl")
+    sim = _dev(2, "gpu", "oclgrind", simulator=True)
+    assert default_device([intel, pocl, sim]) is pocl  # PoCL before the loader's order
+    assert default_device([intel, sim]) is intel  # never the simulator
+    gpu = _dev(3, "gpu", "nvidia")
+    assert default_device([intel, pocl, gpu]) is gpu
+    acc = _dev(4, "accelerator", "intelfpga")
+    assert default_device([intel, acc]) is acc
+    assert default_device([sim]) is None
+
+
+def test_selection_by_name_shares_the_index_instance() -> None:
+    devs = _opencl_devices()
+    for d in devs:
+        alias = d["extra"]["alias"]
+        assert selection.get(f"opencl:{alias}") is selection.get(f"opencl:{d['index']}")
+
+
+def test_unknown_name_lists_the_devices() -> None:
+    devs = _opencl_devices()
+    with pytest.raises(UnknownBackendError) as info:
+        selection.get("opencl:nosuchvendor")
+    msg = str(info.value)
+    assert "opencl:nosuchvendor names no OpenCL device" in msg
+    assert all(f"opencl:{d['extra']['alias']}" in msg for d in devs), msg
+
+
+def test_explain_states_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    _opencl_devices()
+    from portakern.backend.opencl import OpenCLBackend
+
+    got = OpenCLBackend.auto_choices()
+    assert got and "the default OpenCL device: the first GPU" in got[0][2]
+    monkeypatch.delenv("PORTAKERN_BACKEND", raising=False)
+    if selection.automatic()[0].startswith("opencl"):
+        assert "the default OpenCL device: the first GPU" in pk.explain()
+
+
+def test_programs_are_made_from_the_kept_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launch objects come from the program compile() kept, never from ``kernel.program``
+    (which asks the driver, and Intel's CPU runtime answers INVALID_PROGRAM): a kernel class
+    whose ``program`` raises still launches, on the runner's path and the checked one."""
+    devs = _opencl_devices()
+    be = selection.get(f"opencl:{devs[0]['index']}")
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    x = pk.to_backend(a, be.label)
+    import pyopencl as cl
+
+    def refuse(self: object) -> object:
+        raise cl.LogicError("clRetainProgram failed: INVALID_PROGRAM (simulated)")
+
+    monkeypatch.setattr(cl.Kernel, "program", property(refuse), raising=False)
+    for _ in range(3):  # cold (checked path), then the planned runner
+        got = pk.softmax(x, axis=-1, backend=be.label).get()
+        want = np.exp(a - a.max(-1, keepdims=True))
+        np.testing.assert_allclose(got, want / want.sum(-1, keepdims=True), rtol=1e-5)
