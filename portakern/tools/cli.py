@@ -35,8 +35,9 @@ def _info(args: argparse.Namespace) -> int:
         for d, t in zip(av.devices, tuned, strict=True):
             print(f"         {name}:{d.index}  {d.kind:5s} {d.name}  [{d.vendor} {d.driver}]"
                   f"{'' if d.fp64 else '  (no fp64)'}")
-            if d.extra.get("alias"):  # opencl:oclgrind: what the simulator is for
-                print(f"           = {name}:{d.extra['alias']}: {d.extra.get('purpose', '')}")
+            if d.extra.get("alias"):  # opencl:pocl, opencl:oclgrind (and what it is for)
+                purpose = d.extra.get("purpose") or d.platform
+                print(f"           = {name}:{d.extra['alias']}: {purpose}")
             for line in t:
                 print(f"           tuned: {_format_tuned(line)}")
     try:
