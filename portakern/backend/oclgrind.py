@@ -51,7 +51,12 @@ from typing import Any
 import numpy as np
 
 from ..core import settings
-from ..core.errors import BackendUnavailable, KernelFaultError, UnknownBackendError
+from ..core.errors import (
+    BackendUnavailable,
+    KernelFaultError,
+    ToolchainError,
+    UnknownBackendError,
+)
 from ..core.spec import Launch
 from . import opencl
 from .base import Availability, DeviceInfo
@@ -175,6 +180,34 @@ def simulator_info() -> DeviceInfo | None:
         if d.extra.get("simulator"):
             return d
     return None
+
+
+def require_simulator(what: str = "opencl:oclgrind") -> DeviceInfo:
+    """The simulator's device, or why ``what`` cannot have it: hidden by PORTAKERN_OCLGRIND=0,
+    PORTAKERN_OCLGRIND_ICD naming no file, a library that would not load or list its device
+    (ToolchainError: the library, the loader's message, the fix), or not installed."""
+    info = simulator_info()
+    if info is not None:
+        return info
+    fix = "apt-get install oclgrind, or set PORTAKERN_OCLGRIND_ICD to its " + ICD_NAME
+    if not settings.oclgrind.enabled:
+        raise BackendUnavailable(f"{what} needs the Oclgrind simulator, which "
+                                 "PORTAKERN_OCLGRIND=0 hides. Fix: unset PORTAKERN_OCLGRIND.")
+    given = settings.oclgrind.icd
+    if given and not os.path.exists(given):
+        raise BackendUnavailable(f"{what} needs the Oclgrind simulator, but "
+                                 f"PORTAKERN_OCLGRIND_ICD={given} names no file. Fix: point it "
+                                 f"at {ICD_NAME} (Debian: {ICD_CANDIDATES[0]}) or unset it.")
+    broken = OpenCLBackend.probe().versions.get("oclgrind", "")
+    if broken.startswith("unusable"):
+        path = find_icd() or ICD_NAME
+        raise ToolchainError(f"{what} needs the Oclgrind simulator, whose OpenCL library "
+                             "could not be loaded or listed no device", tool="oclgrind",
+                             command=("dlopen", path), stderr=broken,
+                             fix=f"reinstall it ({fix}); PORTAKERN_OCLGRIND=0 hides it")
+    raise BackendUnavailable(f"{what} needs the Oclgrind simulator, which is not installed "
+                             f"here (looked for {ICD_NAME} in {', '.join(ICD_CANDIDATES[:2])}, "
+                             f"...). Fix: {fix}.")
 
 
 def names_simulator(name: str, device: str | None) -> bool:
@@ -486,12 +519,7 @@ class OclgrindBackend(OpenCLBackend):
         return f"opencl:{ALIAS}"
 
     def _open(self, selector: str | None) -> DeviceInfo:
-        info = simulator_info()
-        if info is None:
-            raise BackendUnavailable(
-                "opencl:oclgrind needs the Oclgrind simulator, which is not installed here "
-                f"(looked for {ICD_NAME} in {', '.join(ICD_CANDIDATES[:2])}, ...). Fix: "
-                "apt-get install oclgrind, or set PORTAKERN_OCLGRIND_ICD to the library.")
+        info = require_simulator()
         if selector not in (ALIAS, str(info.index)):
             raise UnknownBackendError(f"opencl:{selector} is not the simulator; use "
                                       f"opencl:{ALIAS}.")

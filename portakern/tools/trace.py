@@ -93,15 +93,12 @@ def _finite(x: float) -> float | None:
 def simulator() -> Any:
     """A fresh simulator instance with instruction counting on (its own OpenCL context)."""
     try:
-        from ..backend.oclgrind import OclgrindBackend, simulator_info
+        from ..backend.oclgrind import OclgrindBackend, require_simulator
     except Exception as exc:  # pyopencl missing
         raise BackendUnavailable(
             f"portakern trace needs the OpenCL backend: {exc}. Fix: pip install "
             "'portakern[opencl]' and apt-get install oclgrind.") from None
-    if simulator_info() is None:
-        raise BackendUnavailable(
-            "portakern trace needs the Oclgrind simulator (opencl:oclgrind), which is not "
-            "installed here. Fix: apt-get install oclgrind.")
+    require_simulator("portakern trace")
     return OclgrindBackend.counting()
 
 

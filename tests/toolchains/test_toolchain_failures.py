@@ -190,3 +190,33 @@ def test_real_cuobjdump_refusing_a_file() -> None:
     with pytest.raises(ToolchainError) as info:
         ptxas.cubin_resources(b"plain text, no device code\n")
     assert info.value.command[0] == exe and "device code" in str(info.value)
+
+
+# --- oclgrind ------------------------------------------------------------------------------
+@pytest.mark.parametrize("library", ["broken", "missing"])
+def test_broken_oclgrind_library_is_named(library: str, tmp_path: Path) -> None:
+    """A simulator library that is there but will not load is a ToolchainError naming it and
+    the loader's message; one PORTAKERN_OCLGRIND_ICD names but that is not there says so;
+    neither is reported as "not installed", and neither prints a traceback. (A child process:
+    the OpenCL probe, which loads the library, runs once per process.)"""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "liboclgrind-rt-icd.so"
+    if library == "broken":
+        path.write_bytes(b"not a shared object\n")
+    code = ("import sys; from portakern.tools.cli import main; "
+            "sys.exit(main(['trace', 'softmax', '--shape', 'x=4,8']))")
+    env = {**os.environ, "PORTAKERN_OCLGRIND_ICD": str(path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    _no_traceback(out)
+    assert "not installed" not in out, out
+    if library == "broken":
+        assert f"command: dlopen {path}" in out and "Fix:" in out, out
+        assert "OSError" in out, out  # the loader's own message
+    else:
+        assert f"PORTAKERN_OCLGRIND_ICD={path} names no file" in out, out
