@@ -294,6 +294,13 @@ class Backend(abc.ABC):
         return device
 
     @classmethod
+    def selector_of(cls, x: Any) -> str | None:
+        """The device part of the selector of the device a native array lives on (automatic
+        selection runs a call where its inputs are: 'opencl:1', not the default device).
+        Default: None, the backend's default device."""
+        return None
+
+    @classmethod
     def opener(cls, selector: str | None) -> type[Backend]:
         """The class whose instance serves a (canonical) selector: a backend may hand a
         device to a subclass (OpenCL's opencl:oclgrind). Default: this class."""

@@ -61,7 +61,7 @@ from ..core.spec import Launch
 from . import opencl
 from .base import Availability, DeviceInfo
 from .opencl import OpenCLBackend
-from .opencl_devices import all_devices, cl, is_allocation_failure
+from .opencl_devices import all_devices, cl, is_allocation_failure, load_icd_platforms
 
 ALIAS = "oclgrind"
 PURPOSE = ("the Oclgrind simulator: GPU-style execution with race, bounds, uninitialised-value "
@@ -85,7 +85,6 @@ UNSET = ("OCLGRIND_QUICK", "OCLGRIND_INTERACTIVE")  # skip work-groups / stop fo
 _LOCK = threading.Lock()
 _ENV_LOCK = threading.Lock()
 _PLATFORM: list[Any] = []  # [pyopencl.Platform] once loaded; [None] when it cannot be
-_LIBRARY: list[Any] = []  # the ctypes handle, kept alive with the platform
 
 
 def find_icd() -> str | None:
@@ -126,17 +125,7 @@ def platform() -> Any:
         if got is None:
             path = find_icd()
             if path is not None:
-                lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_LOCAL", 0))
-                get_ids = lib.clIcdGetPlatformIDsKHR
-                get_ids.restype = ctypes.c_int32
-                get_ids.argtypes = [ctypes.c_uint32, ctypes.POINTER(ctypes.c_void_p),
-                                    ctypes.POINTER(ctypes.c_uint32)]
-                n = ctypes.c_uint32(0)
-                if get_ids(0, None, ctypes.byref(n)) == 0 and n.value:
-                    ids = (ctypes.c_void_p * n.value)()
-                    if get_ids(n.value, ids, None) == 0 and ids[0]:
-                        got = cl.Platform.from_int_ptr(int(ids[0]))
-                        _LIBRARY.append(lib)
+                got = load_icd_platforms(path)[0]
         _PLATFORM.append(got)
         return got
 
@@ -164,7 +153,8 @@ def add_simulator(av: Availability) -> Availability:
         fp64="cl_khr_fp64" in dev.extensions, max_work_group_size=int(dev.max_work_group_size),
         local_mem_bytes=int(dev.local_mem_size), compute_units=int(dev.max_compute_units),
         extra={"opencl_c": dev.opencl_c_version, "fp16_arith": "cl_khr_fp16" in dev.extensions,
-               "simulator": True, "alias": ALIAS, "purpose": PURPOSE, "library": find_icd()})
+               "device_id": dev.int_ptr, "simulator": True, "alias": ALIAS, "purpose": PURPOSE,
+               "library": find_icd()})
     av.versions.setdefault("oclgrind", plat.version.strip())
     if not av.available:  # no other OpenCL device: the backend runs, on the simulator only
         av = Availability(True, versions=av.versions, devices=[info])

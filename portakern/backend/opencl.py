@@ -91,6 +91,16 @@ class OpenCLBackend(KernelBackend):
                  f"opencl:{d.extra.get('alias', d.index)}; {DEFAULT_RULE}")]
 
     @classmethod
+    def selector_of(cls, x: Any) -> str | None:
+        """The index of the device whose context holds the array (by cl_device_id)."""
+        try:
+            ptr = x.context.devices[0].int_ptr
+        except Exception:
+            return None
+        return next((str(d.index) for d in cls.probe().devices
+                     if d.extra.get("device_id") == ptr), None)
+
+    @classmethod
     def canonical_device(cls, device: str | None) -> str | None:
         """'', None (automatic) -> the default device's index; '00' -> '0'; 'pocl' -> its
         index. A selector naming no device is kept for ``_open`` to refuse."""

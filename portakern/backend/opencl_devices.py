@@ -9,8 +9,10 @@ moves when a platform is added, a name does not. The default device follows one 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,10 +83,79 @@ def platform_alias(platform_name: str) -> str:
     return got or re.sub(r"[^a-z0-9]", "", (low.split() or ["opencl"])[0]) or "opencl"
 
 
+# --- ICD libraries portakern loads itself ------------------------------------------------
+# An OpenCL implementation is normally found by the ICD loader through a file in
+# /etc/OpenCL/vendors (root) or $OCL_ICD_VENDORS (set before the first OpenCL call). A library
+# installed by pip into this environment (Intel's CPU runtime: `pip install
+# 'portakern[intel]'` puts libintelocl.so in <venv>/lib) is also loaded directly, as the
+# simulator's is: its platform is asked for through the ICD entry point
+# clIcdGetPlatformIDsKHR and handed to PyOpenCL, whose calls then dispatch through the
+# loader like any platform's. Nothing is written anywhere; a platform the loader already
+# lists (scripts/setup.sh registers Intel's as root) is not loaded twice.
+VENV_ICDS: tuple[str, ...] = ("libintelocl.so",)  # looked for in <sys.prefix>/lib
+_DIRECT: dict[str, list[Any]] = {}  # library path -> its platforms, loaded once per process
+_LIBRARIES: list[Any] = []  # loaded libraries stay loaded: their platforms live in them
+ICD_PROBLEMS: dict[str, str] = {}  # library path -> why it gave no platform (portakern info)
+
+
+def extra_icds() -> list[str]:
+    """The ICD libraries to load directly: $PORTAKERN_OPENCL_ICDS (paths separated by ':',
+    or off), else those of VENV_ICDS in this environment's lib/."""
+    given = settings.opencl.icds
+    if given is not None:
+        return [] if given.strip().lower() in settings.OFF else \
+            [x for x in given.split(os.pathsep) if x]
+    lib = os.path.join(sys.prefix, "lib")
+    return [os.path.join(lib, n) for n in VENV_ICDS if os.path.isfile(os.path.join(lib, n))]
+
+
+def load_icd_platforms(path: str) -> list[Any]:
+    """The pyopencl Platforms of one ICD library, loaded with ctypes (once per process).
+    OSError when it is not loadable or not an ICD: the loader's or our message."""
+    if path in _DIRECT:
+        return _DIRECT[path]
+    lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_LOCAL", 0))
+    proto = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_uint32, ctypes.POINTER(ctypes.c_void_p),
+                             ctypes.POINTER(ctypes.c_uint32))
+    try:
+        get_ids = proto(("clIcdGetPlatformIDsKHR", lib))
+    except AttributeError:  # not exported (Intel's): reached through the extension query
+        query = lib.clGetExtensionFunctionAddress
+        query.restype, query.argtypes = ctypes.c_void_p, [ctypes.c_char_p]
+        addr = query(b"clIcdGetPlatformIDsKHR")
+        if not addr:
+            raise OSError(f"{path} is not an OpenCL ICD (no clIcdGetPlatformIDsKHR)") from None
+        get_ids = proto(addr)
+    n = ctypes.c_uint32(0)
+    if get_ids(0, None, ctypes.byref(n)) != 0 or not n.value:
+        raise OSError(f"{path} lists no OpenCL platform")
+    ids = (ctypes.c_void_p * n.value)()
+    if get_ids(n.value, ids, None) != 0:
+        raise OSError(f"{path}: clIcdGetPlatformIDsKHR failed")
+    _LIBRARIES.append(lib)
+    _DIRECT[path] = [cl.Platform.from_int_ptr(int(i)) for i in ids if i]
+    return _DIRECT[path]
+
+
 def all_devices() -> list[tuple[Any, Any]]:
+    """(platform, device) of every device: the ICD loader's platforms in its order, then
+    those of ``extra_icds`` the loader does not list. cl.Error when there is none at all."""
     FORK_GUARD.check("OpenCL")
+    try:
+        platforms = list(cl.get_platforms())
+    except cl.Error:  # no registered platform (PLATFORM_NOT_FOUND_KHR)
+        platforms = []
+    listed = {plat.name.strip() for plat in platforms}
+    for path in extra_icds():
+        try:
+            platforms += [p for p in load_icd_platforms(path) if p.name.strip() not in listed]
+        except (OSError, cl.Error) as exc:
+            ICD_PROBLEMS[path] = f"{type(exc).__name__}: {exc}"
+    if not platforms:
+        raise cl.Error("no OpenCL platform: the ICD loader lists none and no ICD library "
+                       "was loaded directly")
     out = []
-    for plat in cl.get_platforms():
+    for plat in platforms:
         try:
             devs = plat.get_devices()
         except cl.Error:
@@ -143,6 +214,8 @@ def probe_devices() -> Availability:
     versions = {"pyopencl": cl.VERSION_TEXT}
     try:
         pairs = all_devices()
+        versions.update({f"icd {os.path.basename(k)}": f"unusable ({v})"
+                         for k, v in ICD_PROBLEMS.items()})
     except cl.Error as exc:
         return Availability(False, f"no OpenCL platform found ({exc})",
                             "apt-get install pocl-opencl-icd (CPU), or install your GPU "
@@ -162,7 +235,7 @@ def probe_devices() -> Availability:
             max_work_group_size=int(d.max_work_group_size),
             local_mem_bytes=int(d.local_mem_size), compute_units=int(d.max_compute_units),
             extra={"opencl_c": d.opencl_c_version, "alias": alias + (str(n) if n else ""),
-                   "fp16_arith": "cl_khr_fp16" in d.extensions}))
+                   "device_id": d.int_ptr, "fp16_arith": "cl_khr_fp16" in d.extensions}))
     return Availability(True, versions=versions, devices=devices)
 
 

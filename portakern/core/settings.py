@@ -294,6 +294,11 @@ class OpenCL(Group):
     pool = Switch(
         "PORTAKERN_OPENCL_POOL",
         "allocate OpenCL arrays from a memory pool (off: one clCreateBuffer each)")
+    icds = Text(
+        "PORTAKERN_OPENCL_ICDS",
+        "OpenCL ICD libraries loaded directly, beside those the ICD loader lists (paths "
+        "separated by ':'; off: none); unset: Intel's CPU runtime when pip installed it in "
+        "this environment's lib/ (portakern[intel])")
 
 
 class Oclgrind(Group):

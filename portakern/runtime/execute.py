@@ -53,6 +53,7 @@ class Plan:
     buffer_names: tuple[str, ...] = ()
     indexed: tuple[tuple[Program, tuple[int, ...]], ...] = ()  # steps with slot indices
     runner: Callable[[Sequence[Any], Mapping[str, Any], Any], Any] | None = None
+    follows_inputs: bool = False  # the backend was chosen by where the inputs live
 
     def compile(self, present: Sequence[str]) -> None:
         """Choose the kernel configuration (the caller's overrides, else the tuner's entry for

@@ -122,6 +122,7 @@ def _planned(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
     _check_config(spec, config)
     arrays, params = spec.bind(args, kwargs)
     plan = make_plan(be, spec, arrays, params, config)
+    plan.follows_inputs = selection.follows_inputs(backend, args)
     if key is not None:
         with _LOCK:
             PLANS[key] = plan
@@ -153,6 +154,10 @@ def dispatch(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
             got = runner(args, kwargs, out)
             if got is not _SLOW:
                 return got
+        if plan.follows_inputs:  # chosen by the inputs' device: are they still there?
+            be = selection.resolve(None, args)
+            if be is not plan.backend:  # elsewhere: that device's own plan (its own key)
+                return dispatch(spec, args, kwargs, be, config, out)
         res = execute.run(plan, _arrays(spec, args, kwargs), out)
     else:
         plan, arrays = _planned(spec, args, kwargs, backend, config, key)

@@ -179,6 +179,27 @@ def _owner_of_types(types: tuple[type, ...]) -> str | None:
     return None
 
 
+def _where(owner: str, arrays: Iterable[Any] | None) -> str:
+    """The selector of the device the owner's first native input lives on ('opencl:1'), or
+    the owner's name (its default device) when the backend cannot tell."""
+    cls = registry.load(owner)
+    if isinstance(cls, type):
+        mods = set(cls.array_modules)
+        for x in arrays or ():
+            if x.__class__.__module__.split(".")[0] in mods:
+                dev = cls.selector_of(x)
+                return f"{owner}:{dev}" if dev is not None else owner
+    return owner
+
+
+def follows_inputs(backend: str | Backend | None, arrays: Iterable[Any] | None) -> bool:
+    """Whether ``resolve(backend, arrays)`` picks the device by where the inputs live: no
+    backend=, no ``use``, no $PORTAKERN_BACKEND, and a native input (a plan made so must
+    check, when an input is on another device, that it still runs where the inputs are)."""
+    return (backend is None and _current.get() is None and settings.selection.backend is None
+            and owner_of(arrays) is not None)
+
+
 _AUTO: dict[int, Backend] = {}  # registry version -> the automatic choice's instance
 
 
@@ -196,7 +217,7 @@ def resolve(backend: str | Backend | None = None, arrays: Iterable[Any] | None =
         return get(env, f"${ENV_VAR}")
     owner = owner_of(arrays)
     if owner is not None:
-        return get(owner)
+        return get(_where(owner, arrays))
     inst = _AUTO.get(registry.VERSION)
     if inst is None:
         sel, _ = automatic()
@@ -217,7 +238,8 @@ def explain(backend: str | None = None) -> str:
     if env is not None:
         return f"{resolve().describe()}: set by ${ENV_VAR}={env}"
     sel, why = automatic()
-    return f"{get(sel).describe()}: automatic choice — {why}"
+    return (f"{get(sel).describe()}: automatic choice — {why}. Device arrays run where they "
+            "live (an array made on opencl:1 runs on opencl:1)")
 
 
 @contextlib.contextmanager

@@ -94,3 +94,23 @@ def test_programs_are_made_from_the_kept_program(monkeypatch: pytest.MonkeyPatch
         got = pk.softmax(x, axis=-1, backend=be.label).get()
         want = np.exp(a - a.max(-1, keepdims=True))
         np.testing.assert_allclose(got, want / want.sum(-1, keepdims=True), rtol=1e-5)
+
+
+def test_automatic_selection_follows_the_arrays_device() -> None:
+    """Arrays made on one OpenCL device run there with no backend= (the simulator is a
+    second device on every machine the set-up made; Intel's runtime, when present, a third):
+    alternating devices with one shape and dtype, so the second call of each finds the first
+    device's plan under its key, and must still run where its inputs live."""
+    devs = [d for d in _opencl_devices() if d["extra"].get("alias")]
+    if len(devs) < 2:
+        pytest.skip("one OpenCL device here: nothing to follow")
+    a = np.random.default_rng(0).standard_normal((4, 33)).astype(np.float32)
+    want = np.exp(a - a.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    labels = [f"opencl:{d['index']}" for d in devs]
+    for label in labels + labels:
+        be = selection.get(label)
+        x = pk.to_backend(a, label)
+        got = pk.softmax(x, axis=-1)
+        assert got.context == be.ctx, (label, "ran on another device")
+        np.testing.assert_allclose(got.get(), want, rtol=1e-5, atol=1e-7)
