@@ -33,6 +33,24 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
   python3 -m venv .venv
 fi
+# Intel's OpenCL runtime (portakern[intel]) lives in .venv/lib, where no ICD loader looks:
+# portakern loads it from there by itself; as root, an ICD file is also written so that other
+# OpenCL programs (clinfo) list it. A file of its own (no other ICD is touched), named after
+# pocl.icd so PoCL stays opencl:0; undo: rm /etc/OpenCL/vendors/portakern-intel.icd.
+register_intel_icd() {
+  local lib icd=/etc/OpenCL/vendors/portakern-intel.icd
+  lib="$(cd .venv/lib && pwd)/libintelocl.so"
+  [ -f "$lib" ] || return 0
+  if [ "$(id -u)" = 0 ] && [ -d /etc/OpenCL/vendors ]; then
+    if [ "$(cat "$icd" 2>/dev/null)" != "$lib" ]; then
+      echo "$lib" > "$icd" && log "registered Intel's OpenCL runtime: $icd (undo: rm $icd)"
+    fi
+  else
+    log "Intel's OpenCL runtime: portakern loads $lib itself; for other OpenCL programs" \
+        "set OCL_ICD_VENDORS to a directory holding your .icd files and one naming it"
+  fi
+}
+
 stamp=.venv/.portakern-installed
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
@@ -50,6 +68,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # looks there before PATH and /usr/local/cuda): say which ones portakern will run
   .venv/bin/python -c "from portakern.toolchains import ptxas
 for t in ('ptxas', 'cuobjdump'): print('[setup]', t, ptxas.locate(t) or 'NOT FOUND')" >&2 || true
+  register_intel_icd
   echo "$want" > "$stamp"
 else
   log ".venv up to date"
