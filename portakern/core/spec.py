@@ -260,6 +260,15 @@ class KernelSpec:
     # worst-case check alone. The model describes `semantics`' errors: `replace(semantics=...)`
     # without a new `statistical` drops it.
     statistical: Callable[[Problem, dict[str, np.ndarray], np.ndarray], StatModel] | None = None
+    # statistical_ordered(p, inputs64, ref) -> StatModel: the same, for results of this spec's
+    # own C kernel (`source`), whose summation order it knows (matmul: 512-term blocks). It
+    # judges a result only where the caller says the result came from `source`
+    # (compare_arrays(..., ordered=True): the suite and `portakern check` on C-kernel
+    # backends); `statistical` judges everything else (pk.verify of foreign results, array
+    # backends). Absent: `statistical` judges those too. `replace(source=...)` or
+    # `replace(semantics=...)` without a new one drops it.
+    statistical_ordered: Callable[[Problem, dict[str, np.ndarray], np.ndarray],
+                                  StatModel] | None = None
     # A process-unique identity for caches (compiled kernels, plans, validated problems).
     # Not id(spec): a freed spec's id is reused, and a cache would hand its kernel to another.
     token: int = field(default_factory=lambda: next(_SPEC_TOKENS), init=False, compare=False,
@@ -391,9 +400,15 @@ class KernelSpec:
         """A copy with ``changes``. A copy given other ``semantics`` and no ``statistical``
         loses the statistical model: that model describes the errors of this spec's semantics,
         not of the new ones (a matmul copy computing something else must not be judged by
-        matmul's model); give ``statistical=`` again to keep one."""
+        matmul's model); give ``statistical=`` again to keep one. Likewise other ``source``
+        or ``semantics`` and no ``statistical_ordered`` lose the ordered model (it describes
+        this source's summation order)."""
         if "semantics" in changes and "statistical" not in changes \
                 and changes["semantics"] is not self.semantics:
             changes = {**changes, "statistical": None}
+        if "statistical_ordered" not in changes and any(
+                f in changes and changes[f] != getattr(self, f)
+                for f in ("source", "semantics")):
+            changes = {**changes, "statistical_ordered": None}
         return dataclasses.replace(self, **changes)
 

@@ -38,7 +38,8 @@ ENTRY_POINT = re.compile(r"PK_KERNEL\s+(?:PK_LAUNCH_BOUNDS\s*\((?:[^()]|\([^()]*
 RESERVED_PARAMS = ("backend", "config")  # keywords of portakern.call itself
 REQUIRED_CALLABLES = ("validate", "semantics", "slots", "defines", "launches", "cost",
                       "tolerance")
-OPTIONAL_CALLABLES = ("config_check", "pallas", "example", "examples", "cases", "statistical")
+OPTIONAL_CALLABLES = ("config_check", "pallas", "example", "examples", "cases", "statistical",
+                      "statistical_ordered")
 # the derived generator's sizes: last axes (where kernels tile) from the edge list, other axes
 # small so that rank-3 and rank-4 families stay cheap on a 2-core CPU
 SMALL_SIZES = (1, 2, 3, 5, 8, 17)
@@ -248,10 +249,11 @@ def check_spec(spec: KernelSpec) -> dict[str, Problem]:
     first = next(iter(problems.values()), None)
     _check_semantics_binds(spec, first)
     if first is not None:
-        if spec.statistical is not None and first.outputs is not None:
-            raise spec_error(spec.name, "statistical", "is set on an op with several outputs "
-                             f"({list(first.outputs)}), whose outputs get the worst-case check "
-                             "only", "statistical=None (tolerance bounds every output)")
+        for f in ("statistical", "statistical_ordered"):
+            if getattr(spec, f) is not None and first.outputs is not None:
+                raise spec_error(spec.name, f, "is set on an op with several outputs "
+                                 f"({list(first.outputs)}), whose outputs get the worst-case "
+                                 f"check only", f"{f}=None (tolerance bounds every output)")
         _check_semantics_output(spec, first)
     return problems
 
@@ -381,6 +383,10 @@ _FIXES: dict[str, str] = {
     "statistical": "statistical(p, inputs64, ref) -> portakern.StatModel(sigma, slack, "
                    "group_axes), sigma and slack broadcasting to the output (or "
                    "statistical=None: the worst-case check alone)",
+    "statistical_ordered": "statistical_ordered(p, inputs64, ref) -> portakern.StatModel(sigma, "
+                           "slack, group_axes) for results of the spec's own source, sigma and "
+                           "slack broadcasting to the output (or statistical_ordered=None: "
+                           "`statistical` judges those too)",
 }
 
 
@@ -669,28 +675,30 @@ def _zeros(spec: KernelSpec, prob: Problem) -> list[np.ndarray | None]:
 
 
 def _check_statistical(spec: KernelSpec, prob: Problem, ins: dict[str, np.ndarray],
-                       ref: np.ndarray) -> None:
-    """The model on the example: a StatModel whose sigma and slack broadcast to the output
-    and whose group_axes are output axes (portakern.verify reads nothing else)."""
-    if spec.statistical is None:  # no model: nothing to check
+                       ref: np.ndarray, field: str = "statistical") -> None:
+    """The model ``field`` (statistical or statistical_ordered) on the example: a StatModel
+    whose sigma and slack broadcast to the output and whose group_axes are output axes
+    (portakern.verify reads nothing else)."""
+    model = getattr(spec, field)
+    if model is None:  # no model: nothing to check
         return
-    st = _call(spec, "statistical", spec.statistical, prob, ins, ref)
-    fix = _FIXES["statistical"]
+    st = _call(spec, field, model, prob, ins, ref)
+    fix = _FIXES[field]
     if not all(hasattr(st, a) for a in ("sigma", "slack", "group_axes")):
-        raise spec_error(spec.name, "statistical", f"returned {type(st).__name__}, not a "
+        raise spec_error(spec.name, field, f"returned {type(st).__name__}, not a "
                          "portakern.StatModel", fix)
     for what in ("sigma", "slack"):
         try:
             np.broadcast_to(np.asarray(getattr(st, what), dtype=np.float64), ref.shape)
         except (ValueError, TypeError):
-            raise spec_error(spec.name, "statistical", f"returns a {what} of shape "
+            raise spec_error(spec.name, field, f"returns a {what} of shape "
                              f"{np.shape(getattr(st, what))}, which does not broadcast to the "
                              f"output's shape {ref.shape}", fix) from None
     axes = st.group_axes
     if not isinstance(axes, tuple) or not all(
             isinstance(a, (int, np.integer)) and not isinstance(a, bool)
             and -ref.ndim <= a < ref.ndim for a in axes):
-        raise spec_error(spec.name, "statistical", f"returns group_axes={axes!r}; expected a "
+        raise spec_error(spec.name, field, f"returns group_axes={axes!r}; expected a "
                          f"tuple of axes of the {ref.ndim}-d output", "e.g. (-1,) when a row's "
                          "errors share its sum, () when every element's are independent")
 
@@ -732,8 +740,9 @@ def _check_semantics_output(spec: KernelSpec, prob: Problem) -> None:
         raw = _call(spec, "tolerance", spec.tolerance, prob, ins,
                     refs64[0] if prob.outputs is None else refs64)
         bounds = (raw,) if prob.outputs is None else output_bounds(spec.name, outs, raw)
-        if spec.statistical is not None and spec.cost(prob).flops <= MAX_EVAL_FLOPS:
-            _check_statistical(spec, prob, ins, refs64[0])
+        if spec.cost(prob).flops <= MAX_EVAL_FLOPS:
+            for f in ("statistical", "statistical_ordered"):
+                _check_statistical(spec, prob, ins, refs64[0], f)
     for (name, _), ref, b in zip(outs.items(), refs64, bounds):
         if b is None:
             continue  # exact
