@@ -114,3 +114,37 @@ def test_automatic_selection_follows_the_arrays_device() -> None:
         got = pk.softmax(x, axis=-1)
         assert got.context == be.ctx, (label, "ran on another device")
         np.testing.assert_allclose(got.get(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_half_path_on_a_device_with_fp16_arithmetic() -> None:
+    """A device that reports cl_khr_fp16 (Intel's CPU runtime: fp16 arithmetic runs for real
+    there) takes the same half path as every OpenCL device: float16 is a storage type only,
+    loaded with vload_half and stored with vstore_half_rte, and every sum runs in float. So
+    the rendered source enables no cl_khr_fp16 and declares no half variable, and a float16
+    matmul over K = 4096 (a half accumulator would be ~50x beyond the float32-accumulation
+    bound) and a softmax over 4096 agree with the float64 oracle there."""
+    from portakern.ops import get_op
+    from portakern.runtime.verify import compare_arrays
+
+    devs = [d for d in _opencl_devices() if d["extra"].get("fp16_arith")
+            and not d["extra"].get("simulator")]
+    if not devs:
+        pytest.skip("no OpenCL device here reports cl_khr_fp16 (the set-up's Intel runtime "
+                    "does: pip install 'portakern[intel]')")
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((8, 4096)).astype(np.float16)
+    b = rng.standard_normal((4096, 8)).astype(np.float16)
+    x = rng.standard_normal((4, 4096)).astype(np.float16)
+    for d in devs:
+        label = f"opencl:{d['index']}"
+        for op, arrays, params in (("matmul", {"a": a, "b": b}, {}),
+                                   ("softmax", {"x": x}, {"axis": -1})):
+            spec = get_op(op)
+            bound, bparams = spec.bind((), {**arrays, **params})
+            prob = spec.problem(bound, bparams)
+            src = spec.render("opencl", prob, spec.config("cpu", None, prob))
+            assert "cl_khr_fp16" not in src and "vload_half" in src, op
+            assert not any(line.lstrip().startswith("half ") for line in src.splitlines())
+            got = pk.call(spec, backend=label, **arrays, **params)
+            verdict = compare_arrays(spec, bound, bparams, got)
+            assert verdict.ok, f"{op} float16 on {label}:\n{verdict}"
