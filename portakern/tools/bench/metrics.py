@@ -19,9 +19,11 @@ Definitions (docs/bench.md explains each column):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .timing import quantile
 
 
 def efficiency(peer_s: float | None, ours_s: float | None, *, cap: bool = False) -> float | None:
@@ -32,6 +34,24 @@ def efficiency(peer_s: float | None, ours_s: float | None, *, cap: bool = False)
         return None
     e = peer_s / ours_s
     return min(e, 1.0) if cap else e
+
+
+def paired_ratios(num_s: Sequence[float], den_s: Sequence[float]) -> dict[str, Any] | None:
+    """The per-round ratios num[r] / den[r] of two implementations sampled in the same rounds
+    (timing.run_rounds), summarised: ``median`` (what the tables report), ``q1``/``q3``,
+    ``min``/``max``, ``n`` rounds and every ratio (``per_round``). Rounds where either sample
+    is missing or not positive are left out; None when no round remains.
+
+    Why per round: a burst of load that hits one implementation's samples changes the ratio
+    of the two medians, but only the ratios of the rounds it hit; their median ignores it."""
+    rs = [float(a) / float(b) for a, b in zip(num_s, den_s)
+          if a is not None and b is not None and a > 0 and b > 0
+          and math.isfinite(a) and math.isfinite(b)]
+    if not rs:
+        return None
+    xs = sorted(rs)
+    return {"median": quantile(xs, 0.5), "q1": quantile(xs, 0.25), "q3": quantile(xs, 0.75),
+            "min": xs[0], "max": xs[-1], "n": len(xs), "per_round": rs}
 
 
 def best_peer(times: Mapping[str, float | None]) -> tuple[str, float] | None:

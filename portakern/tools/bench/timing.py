@@ -11,13 +11,27 @@ because it contains compilation (or a cache load, or an XLA trace) that is repor
 Each sample is ``fn(); sync()`` between two clock reads: ``sync`` is the backend's
 ``synchronize()`` (or ``block_until_ready``), so asynchronous launches are charged to the
 sample that issued them and not to the next one.
+
+**Interleaved rounds** (``prepare`` and ``run_rounds``): a case's implementations (ours, the
+unfused chain, every peer) are each prepared first (first call and warm-up, as above), then
+sampled once per round, one after the other, the order rotated each round, until the
+implementations together have ``min_reps`` rounds and ``min_time`` seconds of
+samples *each on average*, never more than ``max_reps`` rounds, within ``budget_s`` per
+implementation. Why: on a shared machine a burst of load that lands while one side is sampled
+would change a ratio of two medians taken one after the other; in rounds it lands on both
+sides of the round it hits, and the median of the per-round ratios ignores it. An
+implementation whose calls are short (``rewarm_below_s``) is called once, untimed, right
+before each of its timed calls, so its thread pool and caches are as warm as in back-to-back
+samples: each sample is still exactly one synchronised call that followed a call of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,6 +48,10 @@ class TimingConfig:
     budget_s: float = 25.0  # wall-clock box for first call + warm-up + samples
     warmup_reps: int = 1  # untimed calls after the first one, when cheap (see below)
     warmup_below_s: float = 1.0  # extra warm-up only if the first call took less than this
+    # in interleaved rounds, a call shorter than this is preceded by one untimed call of its
+    # own (thread pools asleep and caches cold after another implementation's call would
+    # otherwise be charged to it; a longer call does not notice)
+    rewarm_below_s: float = 0.05
 
     def __post_init__(self) -> None:
         problems = []
@@ -47,6 +65,8 @@ class TimingConfig:
             problems.append(f"budget_s={self.budget_s!r} (expected > 0)")
         if self.warmup_reps < 0:
             problems.append(f"warmup_reps={self.warmup_reps!r} (expected >= 0)")
+        if not self.rewarm_below_s >= 0:
+            problems.append(f"rewarm_below_s={self.rewarm_below_s!r} (expected >= 0)")
         if problems:
             raise ValueError("invalid TimingConfig: " + ", ".join(problems)
                              + ". Fix the --min-time/--budget options or the suite table.")
@@ -151,45 +171,170 @@ def not_run(status: str, reason: str, what: str = "") -> Measurement:
     return Measurement(status=status, what=what, reason=reason)
 
 
-def measure(fn: Callable[[], object], sync: Callable[[], object], cfg: TimingConfig, *,
-            what: str = "", clock: Clock = time.perf_counter) -> Measurement:
-    """Time ``fn`` (with ``sync`` after every call) under ``cfg``; see the module docstring.
+class Sampler:
+    """One implementation of a case ready to be sampled: its ``m`` (first call, what, info;
+    the samples as they come) and ``sample()``, one more timed, synchronised call. ``close``
+    lets go of what it holds (inputs, a peer process's prepared state)."""
 
-    Exceptions from ``fn`` propagate (the caller records them with their message), except
-    that samples collected before a KeyboardInterrupt are kept: the interrupt is re-raised
-    with the partial measurement attached as ``exc.partial``.
-    """
-    begin = clock()
-    t0 = clock()
-    fn()
-    sync()
-    first = clock() - t0
-    m = Measurement(what=what, first_call_s=first)
-    try:
-        if first < cfg.warmup_below_s:
-            for _ in range(cfg.warmup_reps):
-                fn()
+    m: Measurement
+    begin: float | None = None  # clock() before its first call, where known
+
+    def sample(self) -> float:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        return None
+
+
+class Prepared(Sampler):
+    """``fn`` (with ``sync`` after every call) after its first call and warm-up, in this
+    process. ``scope`` (a context manager factory, e.g. ``np.errstate``) is entered around the
+    first call, the warm-up and each sample, outside the timed region."""
+
+    def __init__(self, m: Measurement, fn: Callable[[], object], sync: Callable[[], object],
+                 cfg: TimingConfig, clock: Clock, begin: float, typical: float, rewarm: bool,
+                 scope: Callable[[], AbstractContextManager[Any]] | None) -> None:
+        self.m, self.fn, self.sync, self.cfg, self.clock = m, fn, sync, cfg, clock
+        self.begin = self.started = begin  # clock() before the first call: its time box
+        self.typical = typical  # the latest call's time (a warm-up call's, then a sample's)
+        self.rewarm = rewarm
+        self.scope = scope or contextlib.nullcontext
+        self.rewarms = 0
+
+    def sample(self) -> float:
+        fn, sync, clock = self.fn, self.sync, self.clock
+        with self.scope():
+            if self.rewarm and self.typical < self.cfg.rewarm_below_s:
+                fn()  # untimed: this call's own state, as a back-to-back sample has it
                 sync()
-        while True:
-            n = len(m.samples)
-            if n:
-                if n >= cfg.max_reps:
-                    m.stopped_by = "max_reps"
-                    break
-                if n >= cfg.min_reps and sum(m.samples) >= cfg.min_time:
-                    m.stopped_by = "min_time"
-                    break
-                expected = summarize(m.samples).median
-                if clock() - begin + expected > cfg.budget_s:
-                    m.stopped_by = "budget"
-                    break
+                self.rewarms += 1
             t = clock()
             fn()
             sync()
-            m.samples.append(clock() - t)
+            dt = clock() - t
+        self.m.samples.append(dt)
+        self.typical = dt
+        return dt
+
+    def close(self) -> None:
+        """Let go of ``fn`` (and what it holds); record the untimed calls made before samples.
+        Safe to call twice."""
+        if self.rewarms:
+            self.m.info["untimed_calls_before_samples"] = self.rewarms
+        self.fn = self.sync = _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
+def prepare(fn: Callable[[], object], sync: Callable[[], object], cfg: TimingConfig, *,
+            what: str = "", clock: Clock = time.perf_counter, rewarm: bool = True,
+            scope: Callable[[], AbstractContextManager[Any]] | None = None) -> Prepared:
+    """Time the first call of ``fn`` on its own, warm it up (module docstring) and return it
+    ready for ``run_rounds``. Exceptions propagate; a KeyboardInterrupt during the warm-up
+    carries the measurement (``exc.partial``, status ``interrupted``)."""
+    ctx = scope or contextlib.nullcontext
+    begin = clock()
+    with ctx():
+        t0 = clock()
+        fn()
+        sync()
+        first = clock() - t0
+        m = Measurement(what=what, first_call_s=first)
+        typical = first
+        try:
+            if first < cfg.warmup_below_s:
+                for _ in range(cfg.warmup_reps):
+                    t0 = clock()
+                    fn()
+                    sync()
+                    typical = clock() - t0
+        except KeyboardInterrupt as exc:
+            m.status, m.stopped_by = "interrupted", "interrupted"
+            exc.partial = m  # type: ignore[attr-defined]  # documented above: rides on the interrupt
+            raise
+    return Prepared(m, fn, sync, cfg, clock, begin, typical, rewarm, scope)
+
+
+def run_rounds(impls: Mapping[str, Sampler], cfg: TimingConfig, *, begin: float,
+               budget_s: float | None = None, anchor: str | None = None,
+               clock: Clock = time.perf_counter) -> int:
+    """Sample every implementation once per round, the order rotated each round (module
+    docstring); return the number of rounds. ``budget_s`` (default ``cfg.budget_s`` per
+    implementation) boxes everything since ``begin``; the next round is skipped when it would
+    overrun the box, but the first always runs. An implementation whose sample raises is
+    marked ``error`` and left out of later rounds; if it is ``anchor`` (ours: every ratio is
+    to it) the rounds end there. On Ctrl-C every measurement keeps its samples
+    (``stopped_by: interrupted``) and the interrupt carries them as ``exc.partial``, a dict
+    like ``impls``."""
+    keys = list(impls)
+    box = cfg.budget_s * len(keys) if budget_s is None else budget_s
+    active = dict(impls)
+    n, stop = 0, "min_time"
+    try:
+        while active:
+            if n:
+                if n >= cfg.max_reps:
+                    stop = "max_reps"
+                    break
+                measured = sum(sum(p.m.samples) for p in impls.values())
+                if n >= cfg.min_reps and measured >= cfg.min_time * len(keys):
+                    stop = "min_time"
+                    break
+                expected = sum(summarize(p.m.samples).median for p in active.values()
+                               if p.m.samples)
+                if clock() - begin + expected > box:
+                    stop = "budget"
+                    break
+            k = n % len(keys)
+            for key in keys[k:] + keys[:k]:
+                p = active.get(key)
+                if p is None:
+                    continue
+                try:
+                    p.sample()
+                except KeyboardInterrupt:
+                    raise
+                except Exception as exc:
+                    p.m.status = "error"
+                    p.m.reason = (f"failed in round {n + 1}: {type(exc).__name__}: "
+                                  f"{str(exc)[:700]}")
+                    del active[key]
+                    if key == anchor:
+                        active.clear()
+                        stop = f"{anchor} failed"
+                        break
+            n += 1
     except KeyboardInterrupt as exc:
-        m.status = "interrupted" if not m.samples else "ok"
-        m.stopped_by = "interrupted"
-        exc.partial = m  # type: ignore[attr-defined]  # documented above: rides on the interrupt
+        for p in impls.values():
+            p.m.stopped_by = "interrupted"
+            if not p.m.samples and p.m.status == "ok":
+                p.m.status = "interrupted"
+        exc.partial = dict(impls)  # type: ignore[attr-defined]  # documented above
         raise
-    return m
+    for p in impls.values():
+        p.m.stopped_by = p.m.stopped_by or stop
+        p.m.info["rounds"] = len(p.m.samples)
+    return n
+
+
+def measure(fn: Callable[[], object], sync: Callable[[], object], cfg: TimingConfig, *,
+            what: str = "", clock: Clock = time.perf_counter) -> Measurement:
+    """Time ``fn`` (with ``sync`` after every call) under ``cfg`` on its own: ``prepare``,
+    then rounds of one implementation (back-to-back samples, so no untimed call between
+    them). Exceptions from ``fn`` propagate (the caller records them with their message),
+    except that samples collected before a KeyboardInterrupt are kept: the interrupt is
+    re-raised with the partial measurement attached as ``exc.partial``.
+    """
+    p = prepare(fn, sync, cfg, what=what, clock=clock, rewarm=False)
+    try:
+        run_rounds({"_": p}, cfg, begin=p.started, budget_s=cfg.budget_s, clock=clock)
+    except KeyboardInterrupt as exc:
+        p.m.status = "interrupted" if not p.m.samples else "ok"
+        exc.partial = p.m  # type: ignore[attr-defined]  # documented above: rides on the interrupt
+        raise
+    finally:
+        p.close()
+    p.m.info.pop("rounds", None)
+    return p.m
