@@ -11,7 +11,12 @@ Protocol (JSON lines on stdin/stdout): it first prints a ``hello`` record (which
 the ops this process knows, with where their semantics are defined); then for each request
 ``{"case": ..., "timing": ...}`` it rebuilds the case's inputs from its seed
 (suites.make_inputs: the same arrays the other implementations get), times the numpy
-expression and prints ``{"kind": "result", "measurement": ...}``. EOF ends it.
+expression and prints ``{"kind": "result", "measurement": ...}``. EOF ends it. For the
+interleaved rounds of the parent (timing.run_rounds), a request with ``"op": "prepare"`` and
+an ``id`` does the first call and the warm-up and keeps the callable; ``"op": "sample"``
+times one more call of it (``{"kind": "sample", "s": seconds}``); ``"op": "release"`` drops
+it. The timed region is this process's own ``perf_counter`` around the call: the pipe is
+never timed.
 
 The same process serves the PyTorch CPU peer (``"peer": "torch"`` in the request:
 torch.matmul, torch.softmax, the fused scaled_dot_product_attention, the RMSNorm expression,
@@ -229,47 +234,85 @@ def semantics_peer(case: Any, x: dict[str, np.ndarray | None]) -> tuple[Callable
                                                   "OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE)")
 
 
-def handle(req: dict[str, Any]) -> dict[str, Any]:
+Built = tuple[Callable[[], object], str, dict[str, Any], Any]
+
+
+def build_request(req: dict[str, Any]) -> Built | dict[str, Any]:
+    """(fn, what, info, scope) of a request's peer, or the measurement of a peer that does
+    not apply (``not_run`` as a dict). ``scope`` is None or a context factory entered around
+    its calls, outside the timed region."""
     from .semantics_peer import has_handwritten_peers
     from .suites import BenchCase, make_inputs
-    from .timing import TimingConfig, measure, not_run
+    from .timing import not_run
 
     case = BenchCase.from_dict(req["case"])
     if req.get("peer") == "torch":
         what = TORCH_WHAT.get(case.op, case.op)
         if case.op not in TORCH_OPS:
-            m = not_run("not_applicable", f"no torch expression for {case.op}", what)
-            return {"kind": "result", "measurement": m.as_dict()}
+            return not_run("not_applicable", f"no torch expression for {case.op}",
+                           what).as_dict()
         if case.dtype not in ("float32", "float64", "bfloat16"):
-            m = not_run("unavailable", f"torch's CPU kernels for {case.dtype} are not its fast "
-                        "path (no fp16 GEMM/SDPA worth comparing on x86)", what)
-            return {"kind": "result", "measurement": m.as_dict()}
+            return not_run("unavailable", f"torch's CPU kernels for {case.dtype} are not its "
+                           "fast path (no fp16 GEMM/SDPA worth comparing on x86)",
+                           what).as_dict()
         x = make_inputs(case)
         if case.dtype == "bfloat16":  # ml_dtypes' bfloat16 has no torch view: as float32
             x = {k: (None if v is None else v.astype(np.float32)) for k, v in x.items()}
             what += " (bfloat16 inputs upcast to float32: no zero-copy bfloat16 view)"
         fn, info = build_torch(case, x)
-        m = measure(fn, lambda: None, TimingConfig(**req["timing"]),
-                    what=what + f", {info['threads']} intra-op threads")
-        m.info.update(info)
-        return {"kind": "result", "measurement": m.as_dict()}
+        return fn, what + f", {info['threads']} intra-op threads", info, None
     if not has_handwritten_peers(case.op):
         fn, text = semantics_peer(case, make_inputs(case))
-        with np.errstate(all="ignore"):
-            m = measure(fn, lambda: None, TimingConfig(**req["timing"]), what=text)
-        return {"kind": "result", "measurement": m.as_dict()}
+        return fn, text, {}, lambda: np.errstate(all="ignore")
     what = {"matmul": "np.matmul(a, b)",
             "softmax": "numpy max-subtracted exp / sum along the last axis",
             "attention": "np.matmul(q, k^T) * scale -> numpy softmax -> np.matmul(p, v) "
                          "(GQA by reshape)"}.get(case.op, case.op)
     if case.dtype not in NUMPY_DTYPES:
-        m = not_run("unavailable", f"the numpy peer runs {', '.join(NUMPY_DTYPES)} only: for "
-                    f"{case.dtype} numpy has no BLAS (its matmul is a plain C loop) and its "
-                    "ufuncs compute in the 16-bit type, so it is not a native fast path", what)
-        return {"kind": "result", "measurement": m.as_dict()}
+        return not_run("unavailable", f"the numpy peer runs {', '.join(NUMPY_DTYPES)} only: "
+                       f"for {case.dtype} numpy has no BLAS (its matmul is a plain C loop) and "
+                       "its ufuncs compute in the 16-bit type, so it is not a native fast "
+                       "path", what).as_dict()
     x = make_inputs(case)
-    fn = build(case.as_dict(), x)
-    m = measure(fn, lambda: None, TimingConfig(**req["timing"]), what=what)
+    return build(case.as_dict(), x), what, {}, None
+
+
+_PREPARED: dict[Any, Any] = {}  # request id -> timing.Prepared, between prepare and release
+
+
+def handle(req: dict[str, Any]) -> dict[str, Any]:
+    """One request. Without ``op``: measure the case's peer on its own (first call, warm-up,
+    samples) and reply ``result``. With ``op``, the steps of interleaved rounds driven by the
+    parent (timing.run_rounds): ``prepare`` (first call and warm-up; reply ``prepared`` with
+    the measurement so far, or ``result`` when the peer does not apply), ``sample`` (one
+    timed call of prepared ``id``; reply ``sample`` with its seconds) and ``release``."""
+    from .timing import TimingConfig, measure, prepare
+
+    op = req.get("op")
+    if op == "sample":
+        t = _PREPARED[req["id"]].sample()
+        return {"kind": "sample", "s": t}
+    if op == "release":
+        p = _PREPARED.pop(req["id"], None)
+        if p is not None:
+            p.close()
+        return {"kind": "released", "info": p.m.info if p is not None else {}}
+    built = build_request(req)
+    if isinstance(built, dict):
+        return {"kind": "result", "measurement": built}
+    fn, what, info, scope = built
+    cfg = TimingConfig(**req["timing"])
+    if op == "prepare":
+        prep = prepare(fn, lambda: None, cfg, what=what, scope=scope)
+        prep.m.info.update(info)
+        _PREPARED[req["id"]] = prep
+        return {"kind": "prepared", "measurement": prep.m.as_dict()}
+    if scope is not None:
+        with scope():
+            m = measure(fn, lambda: None, cfg, what=what)
+    else:
+        m = measure(fn, lambda: None, cfg, what=what)
+    m.info.update(info)
     return {"kind": "result", "measurement": m.as_dict()}
 
 

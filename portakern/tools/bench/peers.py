@@ -40,6 +40,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,7 +52,7 @@ from . import semantics_peer
 from .numpy_worker import TORCH_OPS
 from .semantics_peer import has_handwritten_peers
 from .suites import BenchCase, operand_names
-from .timing import Measurement, TimingConfig, measure, not_run
+from .timing import Measurement, Sampler, TimingConfig, not_run, prepare, run_rounds
 
 PEER_KEYS = ("numpy", "torch", "xla", "clblast", "cublas", "cupy", "cudnn")
 # the numpy/BLAS peer's key: a peer named after its library, not the numpy backend
@@ -149,6 +150,7 @@ class NumpyWorker:
             [sys.executable, "-m", "portakern.tools.bench.numpy_worker"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
         self.hello = self._read()
+        self._next_id = 0
         if self.hello.get("kind") != "hello":
             raise RuntimeError(f"numpy peer process sent {self.hello!r} instead of its hello "
                                "record; expected JSON lines from "
@@ -181,15 +183,14 @@ class NumpyWorker:
         return isinstance(theirs, dict) and theirs.get(op) == semantics_peer.identity(
             get_op(op))
 
-    def run(self, case: BenchCase, timing: TimingConfig, peer: str = NUMPY_PEER) -> Measurement:
+    def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """One request, one reply (numpy_worker's protocol)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"case": case.as_dict(), "timing": timing.as_dict(),
-                                          "peer": peer}) + "\n")
+        self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
-        reply = self._read()
-        if reply.get("kind") == "error":
-            return not_run("error", reply.get("error", "unknown error"))
-        m = Measurement.from_dict(reply["measurement"])
+        return self._read()
+
+    def _own(self, m: Measurement, peer: str) -> Measurement:
         if peer == NUMPY_PEER:
             m.info.update(self.info)
         else:
@@ -197,6 +198,28 @@ class NumpyWorker:
                           "started without OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE)",
                           pid=self.hello.get("pid"))
         return m
+
+    def run(self, case: BenchCase, timing: TimingConfig, peer: str = NUMPY_PEER) -> Measurement:
+        """The peer measured on its own in the child (first call, warm-up, samples)."""
+        reply = self.request({"case": case.as_dict(), "timing": timing.as_dict(), "peer": peer})
+        if reply.get("kind") == "error":
+            return not_run("error", reply.get("error", "unknown error"))
+        return self._own(Measurement.from_dict(reply["measurement"]), peer)
+
+    def prepare(self, case: BenchCase, timing: TimingConfig, peer: str = NUMPY_PEER
+                ) -> Sampler | Measurement:
+        """The peer prepared in the child for interleaved rounds (first call and warm-up
+        done there), or the measurement of a peer that does not apply."""
+        self._next_id += 1
+        rid = self._next_id
+        reply = self.request({"op": "prepare", "id": rid, "case": case.as_dict(),
+                              "timing": timing.as_dict(), "peer": peer})
+        if reply.get("kind") == "error":
+            return not_run("error", reply.get("error", "unknown error"))
+        m = self._own(Measurement.from_dict(reply["measurement"]), peer)
+        if reply.get("kind") != "prepared":
+            return m
+        return RemoteSampler(self, rid, m)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -207,6 +230,36 @@ class NumpyWorker:
             except Exception:
                 self.proc.kill()  # our own child, by handle
                 self.proc.wait()
+
+
+class RemoteSampler(Sampler):
+    """A peer prepared in the peer process: each sample is one request there, timed there
+    around the call alone (numpy_worker.handle)."""
+
+    def __init__(self, worker: NumpyWorker, rid: int, m: Measurement) -> None:
+        self.worker, self.rid, self.m = worker, rid, m
+        self.closed = False
+
+    def sample(self) -> float:
+        reply = self.worker.request({"op": "sample", "id": self.rid})
+        if reply.get("kind") != "sample":
+            raise RuntimeError(f"the peer process answered {str(reply)[:300]} to a sample "
+                               "request")
+        t = float(reply["s"])
+        self.m.samples.append(t)
+        return t
+
+    def close(self) -> None:
+        if self.closed or self.worker.proc.poll() is not None:
+            return
+        self.closed = True
+        try:
+            reply = self.worker.request({"op": "release", "id": self.rid})
+        except (RuntimeError, BrokenPipeError, OSError, ValueError):
+            return
+        extra = reply.get("info") or {}
+        if "untimed_calls_before_samples" in extra:
+            self.m.info["untimed_calls_before_samples"] = extra["untimed_calls_before_samples"]
 
 
 # --- device matching -------------------------------------------------------------------------
@@ -318,8 +371,8 @@ def _validated_params(case: BenchCase, host: Mapping[str, np.ndarray | None]) ->
     return dict(prob.params)
 
 
-def run_numpy_here(case: BenchCase, host: Mapping[str, np.ndarray | None], timing: TimingConfig
-                   ) -> Measurement:
+def prepare_numpy_here(case: BenchCase, host: Mapping[str, np.ndarray | None],
+                       timing: TimingConfig) -> Sampler:
     """The semantics peer on numpy in this process, for an op the numpy process cannot see
     (registered in code). OpenBLAS here runs with this process's environment, so the record
     says which of the variables that slow it down are set."""
@@ -335,17 +388,16 @@ def run_numpy_here(case: BenchCase, host: Mapping[str, np.ndarray | None], timin
     arrays = [host[n] for n in operand_names(case.op)]
     fn = semantics_peer.semantics_call(spec, np, arrays, _validated_params(case, host),
                                        case.dtype)
-    with np.errstate(all="ignore"):
-        m = measure(fn, lambda: None, timing, what=what)
+    p = prepare(fn, lambda: None, timing, what=what, scope=lambda: np.errstate(all="ignore"))
     blas = blas_info()
-    m.info.update(process="in-process (parent)", env_seen=seen, unset_for_this_process=[],
+    p.m.info.update(process="in-process (parent)", env_seen=seen, unset_for_this_process=[],
                   blas=blas.get("name"), architecture=blas.get("architecture"),
                   threads=blas.get("threads"), numpy=np.__version__)
-    return m
+    return p
 
 
-def run_xla(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None],
-            timing: TimingConfig) -> Measurement:
+def prepare_xla(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None],
+                timing: TimingConfig) -> Sampler | Measurement:
     semantic = not has_handwritten_peers(case.op)
     what = (semantics_peer.what(get_op(case.op), "jax.numpy", case.dtype)
             + ", jax.jit(lower_semantics(...)): the same computation portakern's jax target "
@@ -366,13 +418,13 @@ def run_xla(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None],
         f = jax.jit(lower_semantics(get_op(case.op), _validated_params(case, host), case.dtype))
     else:
         f = _xla_fn(case)
-    m = measure(lambda: f(*args).block_until_ready(), lambda: None, timing, what=what)
-    m.info.update(device=str(dev), jax=jax.__version__)
-    return m
+    p = prepare(lambda: f(*args).block_until_ready(), lambda: None, timing, what=what)
+    p.m.info.update(device=str(dev), jax=jax.__version__)
+    return p
 
 
-def run_clblast(be: Backend, case: BenchCase, native: Mapping[str, Any], timing: TimingConfig
-                ) -> Measurement:
+def prepare_clblast(be: Backend, case: BenchCase, native: Mapping[str, Any],
+                    timing: TimingConfig) -> Sampler | Measurement:
     what = "pyclblast.gemm into a preallocated C on the target's queue"
     try:
         import pyclblast
@@ -403,19 +455,20 @@ def run_clblast(be: Backend, case: BenchCase, native: Mapping[str, Any], timing:
         def fn() -> None:
             pyclblast.gemmStridedBatched(queue, M, N, K, batch, a, b, c, K, N, N, M * K,
                                          K * N, M * N)
-    m = measure(fn, be.synchronize, timing, what=what)
+    p = prepare(fn, be.synchronize, timing, what=what)
     try:
         from importlib.metadata import version
 
-        m.info["pyclblast"] = version("pyclblast")
+        p.m.info["pyclblast"] = version("pyclblast")
     except Exception:
         pass
-    m.info["note"] = "output allocated once outside the timed region (CLBlast writes into C)"
-    return m
+    p.m.info["note"] = "output allocated once outside the timed region (CLBlast writes into C)"
+    return p
 
 
-def run_cupy(key: str, be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None],
-             native: Mapping[str, Any], timing: TimingConfig) -> Measurement:
+def prepare_cupy(key: str, be: Backend, case: BenchCase,
+                 host: Mapping[str, np.ndarray | None], native: Mapping[str, Any],
+                 timing: TimingConfig) -> Sampler | Measurement:
     semantic = key == "cupy" and not has_handwritten_peers(case.op)
     what = (semantics_peer.what(get_op(case.op), "cupy", case.dtype) if semantic else
             {"cublas": "cupy.matmul (CUPY_TF32=0)",
@@ -446,14 +499,16 @@ def run_cupy(key: str, be: Backend, case: BenchCase, host: Mapping[str, np.ndarr
                 x = args[0]
                 e = cupy.exp(x - x.max(axis=-1, keepdims=True))
                 return e / e.sum(axis=-1, keepdims=True)
-        m = measure(fn, dev.synchronize, timing, what=what)
-    m.info.update(CUPY_TF32=os.environ.get("CUPY_TF32"), cupy=cupy.__version__,
-                  device=idx)
-    return m
+        # the device is made current around each call (outside the timed region)
+        p = prepare(fn, dev.synchronize, timing, what=what,
+                    scope=lambda: cupy.cuda.Device(idx))
+    p.m.info.update(CUPY_TF32=os.environ.get("CUPY_TF32"), cupy=cupy.__version__,
+                    device=idx)
+    return p
 
 
-def run_cudnn(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray], timing: TimingConfig
-              ) -> Measurement:
+def prepare_cudnn(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray],
+                  timing: TimingConfig) -> Sampler | Measurement:
     what = ("jax.nn.dot_product_attention(implementation='cudnn') on (B, S, H, D) inputs "
             "(transposed outside the timed region)")
     if "nvidia" not in (be.device.vendor + " " + be.device.name).lower():
@@ -473,12 +528,12 @@ def run_cudnn(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray], timi
     f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=causal, implementation="cudnn"))
     try:
-        m = measure(lambda: f(q, k, v).block_until_ready(), lambda: None, timing, what=what)
+        p = prepare(lambda: f(q, k, v).block_until_ready(), lambda: None, timing, what=what)
     except Exception as exc:  # cuDNN refuses some shapes/dtypes at trace time: say which
         return not_run("unavailable", f"cuDNN attention refused this case: "
                        f"{type(exc).__name__}: {str(exc)[:300]}", what)
-    m.info["device"] = str(dev)
-    return m
+    p.m.info["device"] = str(dev)
+    return p
 
 
 class Peers:
@@ -523,17 +578,19 @@ class Peers:
     def keys(self, op: str, be: Backend) -> list[str]:
         return [k for k in applicable(op, be) if k in self.wanted]
 
-    def run(self, key: str, be: Backend, case: BenchCase, host: Mapping[str, np.ndarray],
-            native: Mapping[str, Any], timing: TimingConfig) -> Measurement:
-        """Measure one peer; failures become records with the reason, never exceptions."""
-        runners: dict[str, Callable[[], Measurement]] = {
-            NUMPY_PEER: lambda: self._run_numpy(case, host, timing),
-            "torch": lambda: self._run_torch(case, timing),
-            "xla": lambda: run_xla(be, case, host, timing),
-            "clblast": lambda: run_clblast(be, case, native, timing),
-            "cublas": lambda: run_cupy("cublas", be, case, host, native, timing),
-            "cupy": lambda: run_cupy("cupy", be, case, host, native, timing),
-            "cudnn": lambda: run_cudnn(be, case, host, timing),
+    def prepare(self, key: str, be: Backend, case: BenchCase, host: Mapping[str, np.ndarray],
+                native: Mapping[str, Any], timing: TimingConfig) -> Sampler | Measurement:
+        """One peer ready for interleaved rounds (its first call and warm-up done), or the
+        measurement of a peer that cannot run, with the reason: failures become records,
+        never exceptions."""
+        runners: dict[str, Callable[[], Sampler | Measurement]] = {
+            NUMPY_PEER: lambda: self._prepare_numpy(case, host, timing),
+            "torch": lambda: self._prepare_torch(case, timing),
+            "xla": lambda: prepare_xla(be, case, host, timing),
+            "clblast": lambda: prepare_clblast(be, case, native, timing),
+            "cublas": lambda: prepare_cupy("cublas", be, case, host, native, timing),
+            "cupy": lambda: prepare_cupy("cupy", be, case, host, native, timing),
+            "cudnn": lambda: prepare_cudnn(be, case, host, timing),
         }
         runner = runners.get(key)
         if runner is None:
@@ -545,21 +602,33 @@ class Peers:
         except Exception as exc:
             return not_run("error", f"{type(exc).__name__}: {str(exc)[:500]}")
 
-    def _run_numpy(self, case: BenchCase, host: Mapping[str, np.ndarray], timing: TimingConfig
-                   ) -> Measurement:
+    def run(self, key: str, be: Backend, case: BenchCase, host: Mapping[str, np.ndarray],
+            native: Mapping[str, Any], timing: TimingConfig) -> Measurement:
+        """One peer measured on its own (prepared, then rounds of it alone)."""
+        got = self.prepare(key, be, case, host, native, timing)
+        if isinstance(got, Measurement):
+            return got
+        try:
+            run_rounds({key: got}, timing, begin=time.perf_counter(), budget_s=timing.budget_s)
+        finally:
+            got.close()
+        return got.m
+
+    def _prepare_numpy(self, case: BenchCase, host: Mapping[str, np.ndarray],
+                       timing: TimingConfig) -> Sampler | Measurement:
         w = self.numpy_worker()
         if w is not None and not w.knows(case.op):
-            return run_numpy_here(case, host, timing)
+            return prepare_numpy_here(case, host, timing)
         if w is None:
             return not_run("error", f"the numpy peer process failed to start: "
                            f"{self._numpy_error}")
         try:
-            return w.run(case, timing)
+            return w.prepare(case, timing)
         except (RuntimeError, BrokenPipeError, OSError) as exc:
             self._numpy = None  # restart it for the next case
             return not_run("error", f"numpy peer process: {exc}")
 
-    def _run_torch(self, case: BenchCase, timing: TimingConfig) -> Measurement:
+    def _prepare_torch(self, case: BenchCase, timing: TimingConfig) -> Sampler | Measurement:
         if importlib.util.find_spec("torch") is None:
             return not_run("unavailable", "torch is not installed: " + INSTALL_HINT["torch"])
         w = self.torch_worker()
@@ -567,7 +636,7 @@ class Peers:
             return not_run("error", f"the torch peer process failed to start: "
                            f"{self._torch_error}")
         try:
-            return w.run(case, timing, peer="torch")
+            return w.prepare(case, timing, peer="torch")
         except (RuntimeError, BrokenPipeError, OSError) as exc:
             self._torch = None
             return not_run("error", f"torch peer process: {exc}")
