@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -798,7 +799,7 @@ def test_dispatch_is_measured_for_the_named_entry_points_on_opencl() -> None:
         assert rec["meets_target"]["call"] == (h["overhead_us"]["call"] <= TARGET_US)
     assert got["pk.softmax"]["info"]["kernels"][0]["kernel"] == "softmax"
     table = "\n".join(report.dispatch_markdown({be.label: got}))
-    assert "host overhead" in table and "(host)" in table
+    assert "overhead: call (host / wall)" in table and "(judged on host)" in table
 
 
 def test_dispatch_has_no_backend_name_branches() -> None:
@@ -820,8 +821,9 @@ def test_dispatch_is_not_applicable_without_c_kernels_and_renders() -> None:
           **summarize_dispatch({"call": [30e-6] * 3, "call_out": [15e-6] * 3,
                                 "raw": [10e-6] * 3}, target_us=5.0)}
     text = "\n".join(dispatch_markdown({"opencl:0": {"pk.softmax": ok}, "stub:0": rec}))
-    assert ("| opencl:0 | pk.softmax(x) | n/a | n/a | n/a | n/a | n/a | 30 µs ±0% | 10 µs ±0% | "
-            "+20 µs | +5 µs | call no, out= yes (wall) |") in text
+    # host / wall side by side in every overhead cell (no host measure here: n/a / wall)
+    assert ("| opencl:0 | pk.softmax(x) | n/a / +20 µs | n/a / +5 µs | n/a | n/a | "
+            "n/a / 10 µs ±0% | 30 µs ±0% | call no, out= yes (judged on wall) |") in text
     assert "| stub:0 | all entry points | not_applicable |" in text
     host = summarize_dispatch({"call": [6e-6] * 3, "call_out": [4e-6] * 3,
                                "call_backend": [5e-6] * 3, "call_use": [8e-6] * 3,
@@ -830,9 +832,10 @@ def test_dispatch_is_not_applicable_without_c_kernels_and_renders() -> None:
                                                 "overhead_paired_us")},
             "meets_target": host["meets_target"], "judged_on": "host"}
     text = "\n".join(dispatch_markdown({"opencl:0": {"pk.softmax": held}}))
-    assert ("| opencl:0 | pk.softmax(x) | +4 µs | +2 µs | +3 µs | +6 µs | 2 µs ±0% | 30 µs ±0% "
-            "| 10 µs ±0% | +20 µs | +5 µs | call yes, out= yes, backend= yes, pk.use no (host) |"
-            ) in text
+    assert ("| opencl:0 | pk.softmax(x) | +4 / +20 µs | +2 / +5 µs | +3 / n/a µs | +6 / n/a µs "
+            "| 2 µs ±0% / 10 µs ±0% | 30 µs ±0% | call yes, out= yes, backend= yes, pk.use no "
+            "(judged on host) |") in text
+    assert "overhead: call (host / wall)" in text and "**host / wall**" in text
 
 
 def test_an_op_without_sizes_is_named_not_fatal_in_the_default_op_list() -> None:
@@ -855,7 +858,7 @@ def test_handwritten_xla_peer_gets_only_present_operands() -> None:
     (q, k, v) must not be handed it (a regression of the generic operand order)."""
     from portakern.backend import registry
     from portakern.runtime import selection
-    from portakern.tools.bench.peers import run_xla
+    from portakern.tools.bench.peers import prepare_xla
 
     if not registry.availability("jax").available:
         pytest.skip("jax is not available here")
@@ -864,8 +867,12 @@ def test_handwritten_xla_peer_gets_only_present_operands() -> None:
                                                 "D": 8, "Dv": 8}, {"causal": False})
     host = suites.make_inputs(case)
     assert host["mask"] is None
-    m = run_xla(be, case, host, timing.TimingConfig(min_time=0.0, min_reps=2, budget_s=10))
-    assert m.status == "ok", m.reason
+    got = prepare_xla(be, case, host, timing.TimingConfig(min_time=0.0, min_reps=2,
+                                                          budget_s=10))
+    assert isinstance(got, timing.Sampler), got
+    got.sample()
+    got.close()
+    assert got.m.status == "ok" and len(got.m.samples) == 1, got.m.reason
 
 
 def test_attention_memory_counts_the_fused_kernels_workspace(kernel_target: str) -> None:
@@ -1028,3 +1035,416 @@ def test_a_missing_promised_peer_is_warned_at_the_top(monkeypatch: pytest.Monkey
            "cases": [], "peers_missing": missing}
     md = report.run_markdown(res).splitlines()
     assert any("WARNING" in line and "CLBlast" in line for line in md[:4])
+
+
+# --- interleaved rounds: a benchmark that load cannot bend (issue 26, item 4) ---------------------
+class LoadedMachine:
+    """A fake clock and CPU: a call of ``base`` seconds takes ``factor`` times as long when it
+    starts inside a load burst [start, end)."""
+
+    def __init__(self, bursts: list[tuple[float, float, float]]) -> None:
+        self.now = 0.0
+        self.bursts = bursts
+        self.log: list[str] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def impl(self, name: str, base: float) -> Any:
+        def fn() -> None:
+            f = next((k for a, b, k in self.bursts if a <= self.now < b), 1.0)
+            self.log.append(name)
+            self.now += base * f
+        return fn
+
+
+def test_a_burst_on_one_side_bends_sequential_ratios_not_the_interleaved_median() -> None:
+    cfg = timing.TimingConfig(min_time=0.0, min_reps=15, max_reps=15, budget_s=1e6,
+                              warmup_reps=0)
+    # sequentially: ours' 15 samples (0.1 s each) end near t=1.6; the burst (3x) then covers
+    # the peer's whole measurement, as another job starting at the wrong moment would
+    seq = LoadedMachine([(1.7, 10.0, 3.0)])
+    ours = timing.measure(seq.impl("ours", 0.1), lambda: None, cfg, clock=seq.clock)
+    peer = timing.measure(seq.impl("peer", 0.2), lambda: None, cfg, clock=seq.clock)
+    assert ours.median and peer.median
+    sequential = peer.median / ours.median
+    assert sequential == pytest.approx(6.0)  # 3x wrong: the burst hit only the peer's side
+    # the same burst (same time, same length) during interleaved rounds hits both sides of
+    # the rounds it spans; the rounds at its edges are the only ones it bends
+    il = LoadedMachine([(1.7, 10.0, 3.0)])
+    p_ours = timing.prepare(il.impl("ours", 0.1), lambda: None, cfg, clock=il.clock,
+                            rewarm=False)
+    p_peer = timing.prepare(il.impl("peer", 0.2), lambda: None, cfg, clock=il.clock,
+                            rewarm=False)
+    n = timing.run_rounds({"ours": p_ours, "peer": p_peer}, cfg, begin=0.0, clock=il.clock)
+    assert n == 15 and len(p_ours.m.samples) == len(p_peer.m.samples) == 15
+    r = metrics.paired_ratios(p_peer.m.samples, p_ours.m.samples)
+    assert r is not None and r["n"] == 15
+    assert r["median"] == pytest.approx(2.0)  # the quiet ratio
+    assert r["max"] > 2.0 or r["min"] < 2.0  # an edge round was bent, and the spread says so
+    # a burst that hits a single sample changes one round's ratio, not the median
+    one = LoadedMachine([(1.0, 1.05, 5.0)])
+    a = timing.prepare(one.impl("ours", 0.1), lambda: None, cfg, clock=one.clock, rewarm=False)
+    b = timing.prepare(one.impl("peer", 0.2), lambda: None, cfg, clock=one.clock, rewarm=False)
+    timing.run_rounds({"ours": a, "peer": b}, cfg, begin=0.0, clock=one.clock)
+    r1 = metrics.paired_ratios(b.m.samples, a.m.samples)
+    assert r1 is not None and r1["median"] == pytest.approx(2.0)
+    assert sorted(r1["per_round"])[0] < 1.0 or sorted(r1["per_round"])[-1] > 5.0
+
+
+def test_rounds_rotate_the_order_and_stop_like_a_single_measurement() -> None:
+    m = LoadedMachine([])
+    cfg = timing.TimingConfig(min_time=0.6, min_reps=2, max_reps=100, budget_s=1e6,
+                              warmup_reps=0)
+    impls = {k: timing.prepare(m.impl(k, t), lambda: None, cfg, clock=m.clock, rewarm=False)
+             for k, t in (("ours", 0.1), ("a", 0.1), ("b", 0.1))}
+    m.log.clear()
+    n = timing.run_rounds(impls, cfg, begin=0.0, clock=m.clock)
+    # min_time is per implementation on average: 3 x 0.6 s of samples = 6 rounds of 0.3 s
+    assert n == 6 and all(p.m.stopped_by == "min_time" for p in impls.values())
+    assert m.log[:9] == ["ours", "a", "b", "a", "b", "ours", "b", "ours", "a"]
+    assert all(p.m.info["rounds"] == 6 for p in impls.values())
+    # the time box is the budget per implementation, from `begin`
+    m2 = LoadedMachine([])
+    cfg2 = timing.TimingConfig(min_time=100.0, min_reps=3, max_reps=100, budget_s=1.0,
+                               warmup_reps=0)
+    two = {k: timing.prepare(m2.impl(k, 0.3), lambda: None, cfg2, clock=m2.clock,
+                             rewarm=False) for k in ("ours", "peer")}
+    n2 = timing.run_rounds(two, cfg2, begin=0.0, clock=m2.clock)
+    # first calls 0.6 s; each round 0.6 s; a box of 2 x 1.0 s holds two rounds
+    assert n2 == 2 and two["ours"].m.stopped_by == "budget"
+
+
+def test_a_failing_implementation_leaves_the_rounds_and_the_anchor_ends_them() -> None:
+    m = LoadedMachine([])
+    cfg = timing.TimingConfig(min_time=0.0, min_reps=5, max_reps=5, budget_s=1e6,
+                              warmup_reps=0)
+    calls = {"n": 0}
+
+    def flaky() -> None:
+        calls["n"] += 1
+        if calls["n"] > 3:  # first call and two samples, then it breaks
+            raise RuntimeError("device lost")
+        m.now += 0.1
+
+    ours = timing.prepare(m.impl("ours", 0.1), lambda: None, cfg, clock=m.clock, rewarm=False)
+    peer = timing.prepare(flaky, lambda: None, cfg, clock=m.clock, rewarm=False)
+    n = timing.run_rounds({"ours": ours, "peer": peer}, cfg, begin=0.0, anchor="ours",
+                          clock=m.clock)
+    assert n == 5 and len(ours.m.samples) == 5 and ours.m.ok
+    assert peer.m.status == "error" and "device lost" in peer.m.reason
+    assert len(peer.m.samples) == 2 and not peer.m.ok
+    calls["n"] = 0
+    bad = timing.prepare(flaky, lambda: None, cfg, clock=m.clock, rewarm=False)
+    other = timing.prepare(m.impl("x", 0.1), lambda: None, cfg, clock=m.clock, rewarm=False)
+    timing.run_rounds({"ours": bad, "x": other}, cfg, begin=m.now, anchor="ours",
+                      clock=m.clock)
+    assert bad.m.status == "error" and bad.m.stopped_by == "ours failed"
+
+
+def test_a_short_call_is_rewarmed_before_each_timed_sample() -> None:
+    m = LoadedMachine([])
+    cfg = timing.TimingConfig(min_time=0.0, min_reps=4, max_reps=4, budget_s=1e6,
+                              warmup_reps=1, rewarm_below_s=0.05)
+    fast = timing.prepare(m.impl("fast", 0.01), lambda: None, cfg, clock=m.clock)
+    slow = timing.prepare(m.impl("slow", 0.2), lambda: None, cfg, clock=m.clock)
+    m.log.clear()
+    timing.run_rounds({"fast": fast, "slow": slow}, cfg, begin=0.0, clock=m.clock)
+    # fast: one untimed call right before each of its 4 timed ones; slow: none
+    assert m.log.count("fast") == 8 and m.log.count("slow") == 4
+    assert fast.m.samples == [pytest.approx(0.01)] * 4  # the untimed call is not in a sample
+    fast.close()
+    assert fast.m.info["untimed_calls_before_samples"] == 4
+    # measure() (one implementation, back to back) never rewarms
+    m.log.clear()
+    timing.measure(m.impl("alone", 0.01), lambda: None, cfg, clock=m.clock)
+    assert m.log.count("alone") == 1 + 1 + 4
+
+
+def test_paired_ratios_and_derive_report_the_median_of_rounds() -> None:
+    from portakern.tools.bench.runner import derive
+
+    r = metrics.paired_ratios([2.0, 2.2, 9.0, 2.1], [1.0, 1.0, 1.0, 1.0])
+    assert r is not None and r["median"] == pytest.approx(2.15) and r["n"] == 4
+    assert r["min"] == pytest.approx(2.0) and r["max"] == pytest.approx(9.0)
+    assert r["q1"] == pytest.approx(float(np.percentile([2.0, 2.2, 9.0, 2.1], 25)))
+    assert metrics.paired_ratios([], []) is None
+    assert metrics.paired_ratios([1.0, 0.0], [0.0, 1.0]) is None  # no valid round
+    rec: dict[str, Any] = {
+        "compute_dtype": "float32", "cost": {"flops": 1e9, "bytes": 1e6},
+        "ours": {"status": "ok", "median_s": 1.0},
+        "peers": {"torch": {"status": "ok", "median_s": 3.2, "name": "PyTorch (CPU)"},
+                  "numpy": {"status": "ok", "median_s": 5.0, "name": "numpy"}},
+        "ratios": {"torch": r}}  # numpy ran without paired rounds (an older file)
+    derive(rec, Roofline(status="error", reason="none"))
+    assert rec["best_peer"] == "torch" and rec["efficiency"] == pytest.approx(2.15)
+    assert rec["efficiencies"]["numpy"] == pytest.approx(5.0)  # ratio of the medians
+    assert rec["efficiency_spread"]["q3"] == pytest.approx(r["q3"])
+    assert report.eff_cell(rec) == "2.2 [2.1–3.9]"  # median 2.15 [IQR 2.075-3.9]
+
+
+def test_the_numpy_process_serves_prepared_peers_sample_by_sample() -> None:
+    from portakern.tools.bench import numpy_worker
+
+    case = suites.BenchCase("matmul", "float32", {"M": 16, "N": 16, "K": 16})
+    t = timing.TimingConfig(min_time=0.0, min_reps=2, budget_s=10).as_dict()
+    got = numpy_worker.handle({"op": "prepare", "id": 7, "case": case.as_dict(), "timing": t})
+    assert got["kind"] == "prepared" and got["measurement"]["first_call_s"] > 0
+    assert "samples_s" not in got["measurement"]
+    for _ in range(3):
+        s = numpy_worker.handle({"op": "sample", "id": 7})
+        assert s["kind"] == "sample" and s["s"] > 0
+    assert numpy_worker.handle({"op": "release", "id": 7})["kind"] == "released"
+    assert 7 not in numpy_worker._PREPARED
+    fp16 = numpy_worker.handle({"op": "prepare", "id": 8, "timing": t, "case": suites.BenchCase(
+        "matmul", "float16", {"M": 8, "N": 8, "K": 8}).as_dict()})
+    assert fp16["kind"] == "result" and fp16["measurement"]["status"] == "unavailable"
+
+
+def test_a_real_case_runs_in_rounds_with_paired_ratios(tmp_path: Path) -> None:
+    target = _opencl_target()
+    from portakern.tools.bench import runner
+
+    out = tmp_path / "r.json"
+    cfg = runner.BenchConfig(ops=("softmax",), targets=(target,), limit=1, out=str(out),
+                             probes=False, peers=("numpy", "xla"), dispatch=False,
+                             timing=timing.TimingConfig(min_time=0.02, min_reps=4, budget_s=10),
+                             remeasure=0, progress=open(os.devnull, "w"))  # noqa: SIM115
+    try:
+        res = runner.run_bench(cfg)
+    finally:
+        cfg.progress.close()
+    (rec,) = res["cases"]
+    assert rec["rounds"]["implementations"][0] == "ours"
+    n = rec["rounds"]["n"]
+    assert n >= 4 and rec["ours"]["reps"] == n
+    for k, m in rec["peers"].items():
+        if m["status"] == "ok":
+            assert m["reps"] == n and rec["ratios"][k]["n"] == n
+            assert rec["efficiencies"][k] == pytest.approx(rec["ratios"][k]["median"])
+    # what is timed is still the user-facing call and the peer's own expression
+    assert rec["ours"]["what"].startswith("portakern.call('softmax') on device-resident")
+    assert rec["peers"]["numpy"]["what"].startswith("numpy max-subtracted exp")
+
+
+# --- contention: measured again, then marked ------------------------------------------------------
+class ScriptedMeter:
+    """A CpuMeter whose 'others' share is scripted, one value per measurement."""
+
+    ncpu = 2
+
+    def __init__(self, shares: list[float]) -> None:
+        self.shares = list(shares)
+
+    def snapshot(self, pids: tuple[int, ...] = ()) -> dict[str, float]:
+        return {}
+
+    def since(self, before: Any, pids: tuple[int, ...] = ()) -> dict[str, float]:
+        return {"wall_s": 1.0, "other_cpu_s": 0.0, "other_share": self.shares.pop(0),
+                "steal_share": 0.0}
+
+    def cpu_seconds(self, pid: int) -> float:
+        return 0.0
+
+
+def _contended(monkeypatch: pytest.MonkeyPatch, shares: list[float], remeasure: int
+               ) -> tuple[dict[str, Any], int]:
+    from portakern.tools.bench import runner
+
+    calls = {"n": 0}
+
+    def fake_case(be: Any, case: Any, *a: Any, **k: Any) -> dict[str, Any]:
+        calls["n"] += 1
+        rec = _rec("h", "opencl:0", "matmul", "N=256", ours=1.0, peer=1.0 + calls["n"])
+        rec["efficiency"] = 1.0 + calls["n"]
+        rec["ours"]["first_call_s"] = 5.0 if calls["n"] == 1 else 1.2
+        return rec
+
+    class NoPeers:
+        def pids(self) -> tuple[int, ...]:
+            return ()
+
+    monkeypatch.setattr(runner, "run_case", fake_case)
+    cfg = runner.BenchConfig(remeasure=remeasure, progress=open(os.devnull, "w"))  # noqa: SIM115
+    try:
+        rec = runner.measure_case(None, None, {}, NoPeers(), cfg, None, "p",  # type: ignore[arg-type]  # stubs: run_case is faked
+                                  runner.Progress(cfg.progress), ScriptedMeter(shares))  # type: ignore[arg-type]  # a scripted meter
+    finally:
+        cfg.progress.close()
+    return rec, calls["n"]
+
+
+def test_a_contended_case_is_measured_again_and_the_quietest_attempt_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rec, n = _contended(monkeypatch, [0.3, 0.04], remeasure=1)
+    assert n == 2 and rec["contention"]["other_share"] == 0.04 and rec["contended"] is False
+    assert rec["remeasured"]["kept"] == 2
+    assert [a["other_share"] for a in rec["remeasured"]["attempts"]] == [0.3, 0.04]
+    assert rec["ours"]["first_call_s"] == 5.0  # the first attempt's: later ones ran warm
+    assert rec["efficiency"] == 3.0  # the second attempt's ratio
+    cell = report._busy_cell(rec)
+    assert cell == "4% (measured 2×: 30% / 4%)"
+    # quiet at once: measured once, nothing to mark
+    rec, n = _contended(monkeypatch, [0.02], remeasure=1)
+    assert n == 1 and "remeasured" not in rec and rec["contended"] is False
+
+
+def test_a_case_still_contended_after_measuring_again_is_marked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rec, n = _contended(monkeypatch, [0.5, 0.2, 0.35], remeasure=2)
+    assert n == 3 and rec["contention"]["other_share"] == 0.2 and rec["contended"] is True
+    assert rec["remeasured"]["kept"] == 2
+    assert report._busy_cell(rec) == "20% (measured 3×: 50% / 20% / 35%) ⚠"
+    assert report.eff_cell(rec).endswith("⚠")
+    rec["id"], rec["target"] = "matmul/float32/N=256", "opencl:0"
+    note = "\n".join(report.contention_lines([rec]))
+    assert "measured again" in note and "⚠ 1 still exceeded it" in note
+    assert "matmul/float32/N=256 on opencl:0" in note
+    # --remeasure 0: never measured again, marked all the same
+    rec, n = _contended(monkeypatch, [0.5], remeasure=0)
+    assert n == 1 and rec["contended"] is True and "remeasured" not in rec
+
+
+# --- the CPU hog and the stability plot -----------------------------------------------------------
+def test_the_hog_is_a_busy_loop_pinned_to_one_core() -> None:
+    from portakern.tools.bench.environment import CpuMeter
+    from portakern.tools.bench.hog import Hog, pick_core, usable_cores
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    core = pick_core()
+    assert core == usable_cores()[-1]
+    with pytest.raises(ValueError, match="may use cores"):
+        pick_core(10_000)
+    hog = Hog(core)
+    with hog.running():
+        pid = hog.pid
+        assert pid is not None and os.sched_getaffinity(pid) == {core}
+        meter = CpuMeter()
+        t0 = meter.cpu_seconds(pid)
+        import time
+
+        time.sleep(0.3)
+        assert meter.cpu_seconds(pid) - t0 > 0.03  # it spins (a share of a busy core at least)
+    assert hog.pid is None and not Path(f"/proc/{pid}").exists()  # stopped and reaped
+
+
+def _hog_result() -> dict[str, Any]:
+    from portakern.tools.bench.runner import compare_hogged
+
+    def case(label: str, quiet: float, hogged: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        out = []
+        for ratio, share in ((quiet, 0.02), (hogged, 0.03)):
+            rec = _rec("vm", "opencl:0", "attention", label, ours=0.1, peer=0.1 * ratio)
+            rec["ratios"] = {"torch": metrics.paired_ratios([ratio * 0.95, ratio, ratio * 1.05],
+                                                           [1.0, 1.0, 1.0])}
+            rec["peers"] = {"torch": {"status": "ok", "median_s": 0.1 * ratio,
+                                      "name": "PyTorch (CPU)"}}
+            rec["best_peer"] = "torch"
+            rec["contention"] = {"other_share": share, "hog_share": 0.5}
+            out.append(rec)
+        return out[0], out[1]
+
+    q1, h1 = case("B1 H8 S4096 D64 causal", 1.29, 1.35)
+    q2, h2 = case("B1 H8 S1024 D64 kv2", 0.99, 0.80)
+    comp = compare_hogged(q1, h1) + compare_hogged(q2, h2)
+    res = _result("vm", "opencl:0", "2025-01-01T00:00:00", [q1, q2])
+    res["hog"] = {"core": 1, "cases": [h1, h2], "comparison": comp}
+    res["config"]["suite"] = "quick"
+    return res
+
+
+def test_compare_hogged_gives_the_difference_per_peer() -> None:
+    res = _hog_result()
+    a, b = res["hog"]["comparison"]
+    assert a["diff_pct"] == pytest.approx(100 * (1.35 / 1.29 - 1)) and a["within_10pct"]
+    assert b["diff_pct"] == pytest.approx(100 * (0.80 / 0.99 - 1)) and not b["within_10pct"]
+    assert a["best_peer"] and a["hog_share"] == 0.5
+    text = "\n".join(report.hog_lines(res["hog"]))
+    assert "Within 10% of the quiet ratio: 1 of 2" in text
+    assert "| attention | B1 H8 S4096 D64 causal | opencl:0 | PyTorch (CPU) (best) | 1.29 " in text
+    assert "+4.7% | yes |" in text and "-19.2% | **no** |" in text
+
+
+def test_the_stability_plot_is_written_with_the_run_plots(tmp_path: Path) -> None:
+    from portakern.tools.bench.plots import plot_run
+
+    files = plot_run(_hog_result(), tmp_path / "plots")
+    png = tmp_path / "plots" / "ratio_stability.png"
+    assert png in files and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000
+    # no --hog: no stability plot
+    plain = _hog_result()
+    del plain["hog"]
+    assert not any(f.name == "ratio_stability.png" for f in plot_run(plain, tmp_path / "p2"))
+
+
+# --- the raw-enqueue baseline binds its scalars once, as the plan does ----------------------------
+def test_raw_enqueue_sets_per_call_exactly_the_arguments_the_plan_sets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dispatch baseline is fair in both directions: per launch the raw enqueue sets the
+    same kernel arguments (the buffers) as portakern's own program, and neither re-sets a
+    scalar. Counted on the very kernel objects, through a stand-in for pyopencl's Kernel."""
+    _opencl_target()
+    import types
+
+    import pyopencl as cl
+
+    import portakern as pk
+    from portakern.backend import opencl as ocl
+    from portakern.ops import get_op as _get_op
+    from portakern.runtime import selection
+    from portakern.runtime.plan import plan_for
+    from portakern.tools.bench.dispatch import _raw_launcher
+
+    made: list[Any] = []
+
+    class Counting:
+        def __init__(self, real: Any) -> None:
+            self.real = real
+            self.sets: list[int] = []
+            made.append(self)
+
+        def set_arg(self, i: int, v: Any) -> None:
+            self.sets.append(i)
+            self.real.set_arg(i, v)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+    fake = types.SimpleNamespace(**{k: getattr(cl, k) for k in dir(cl) if not k.startswith("__")})
+    fake.Kernel = lambda *a: Counting(cl.Kernel(*(x.real if isinstance(x, Counting) else x
+                                                  for x in a)))
+    fake.enqueue_nd_range_kernel = lambda q, k, *a, **kw: cl.enqueue_nd_range_kernel(
+        q, k.real if isinstance(k, Counting) else k, *a, **kw)
+    monkeypatch.setattr(ocl, "cl", fake)
+    be = selection.get(_opencl_target())
+    x = be.to_native(np.random.default_rng(3).standard_normal((3, 37)).astype(np.float32))
+    spec = _get_op("softmax")
+    before = len(made)
+    plan = plan_for(spec, [x], {}, backend=be)  # a new shape: a new plan, new programs
+    pk.softmax(x)
+    be.synchronize()
+    ours = made[before:]
+    assert ours, "the plan made no kernel object of its own"
+    (step,) = plan.steps
+    buffers = [i for i, a in enumerate(step.template) if a.__class__ is str]
+    scalars = [i for i, a in enumerate(step.template) if a.__class__ is not str]
+    assert buffers and scalars
+    for k in ours:
+        k.sets.clear()
+    for _ in range(3):
+        pk.softmax(x)
+    plan_sets = [i for k in ours for i in k.sets]
+    out = be.empty((3, 37), "float32")
+    before = len(made)
+    raw = _raw_launcher(be, plan, {"x": x, "out": out})
+    assert raw is not None
+    (own,) = made[before:]
+    assert sorted(own.sets) == scalars  # scalars bound once, when it is made
+    own.sets.clear()
+    for _ in range(3):
+        raw()
+    be.synchronize()
+    assert sorted(own.sets) == sorted(plan_sets) == sorted(buffers * 3)
+    np.testing.assert_allclose(be.to_numpy(out), be.to_numpy(pk.softmax(x)), rtol=1e-6)

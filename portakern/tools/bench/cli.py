@@ -17,6 +17,19 @@ def _csv(text: str | None) -> tuple[str, ...] | None:
     return items or None
 
 
+def _hog_core(text: str | None) -> int | None:
+    """--hog's core: None without --hog, -1 for the last usable core."""
+    if text is None:
+        return None
+    if text == "auto":
+        return -1
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--hog {text!r}: expected a core number (or --hog alone for the "
+                         "last usable core)") from None
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .peers import PEER_KEYS
     from .plots import plot_run
@@ -44,13 +57,18 @@ def _bench(args: argparse.Namespace) -> int:
         timing = with_timing_overrides(TIMING[args.suite], min_time=args.min_time,
                                        min_reps=args.min_reps, max_reps=args.max_reps,
                                        budget_s=args.budget)
+        if args.remeasure < 0:
+            raise ValueError(f"--remeasure {args.remeasure}: expected 0 or more")
+        hog = _hog_core(args.hog)
     except ValueError as exc:
         print(f"portakern bench: {exc}", file=sys.stderr)
         return 2
     cfg = BenchConfig(suite=args.suite, ops=_csv(args.ops), targets=tuple(backends) or None,
                       dtypes=_csv(args.dtypes), peers=peers, limit=args.limit, out=out,
                       plots=plots_dir, probes=not args.no_probes, unfused=not args.no_unfused,
-                      timing=timing, dispatch=args.dispatch)
+                      timing=timing, dispatch=args.dispatch,
+                      cases=tuple(args.case) if args.case else None,
+                      remeasure=args.remeasure, hog=hog)
     from ...core.errors import PortakernError
 
     try:
@@ -120,6 +138,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--budget", type=float, default=None,
                    help="time box in seconds for one measurement, first call included "
                         "(suite default 25 / 60)")
+    p.add_argument("--case", action="append", default=None, metavar="TEXT",
+                   help="keep only the cases whose id (op/dtype/size, e.g. "
+                        "'attention/float32/B1 H8 S4096 D64 causal') contains TEXT; repeatable")
+    p.add_argument("--remeasure", type=int, default=1, metavar="N",
+                   help="measure a case again, at most N times, while other processes use "
+                        "more than 10%% of the CPUs; the least contended attempt is kept "
+                        "(default 1; 0: never)")
+    p.add_argument("--hog", nargs="?", const="auto", default=None, metavar="CORE",
+                   help="measure every case twice: quiet, then with a busy loop (python -c "
+                        "'while True: pass') pinned to CORE (default: the last usable core); "
+                        "the table and ratio_stability.png compare the ratios")
     p.add_argument("--no-probes", action="store_true", help="skip the roofline probes")
     p.add_argument("--no-unfused", action="store_true", help="skip attention's unfused chain")
     p.add_argument("--dispatch", dest="dispatch", action="store_true", default=None,

@@ -335,8 +335,9 @@ def measure_entry(be: KernelBackend, entry: DispatchEntry, cfg: DispatchConfig, 
         "call_use": f"{entry.text} inside `with pk.use({be.label!r})`, entered once per "
                     "block of calls",
         "raw": "the backend's raw_launcher: the device API's own enqueue of the compiled "
-               "kernels of the call's launch plan, every argument set on each launch "
-               "(arguments and workspace built once, outside the timed region)",
+               "kernels of the call's launch plan, the scalar arguments bound once and the "
+               "buffers set on each launch, as the plan's own programs do (arguments and "
+               "workspace built once, outside the timed region)",
         "timing": f"wall: per call = (time of {iters} back-to-back calls + one "
                   f"backend.synchronize()) / {iters}; host: the same {iters} calls enqueued "
                   "while the device queue is held, only the host's side timed; medians over "

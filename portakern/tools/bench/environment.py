@@ -169,6 +169,11 @@ def relevant_env() -> dict[str, str]:
     return {k: _no_home(v) for k, v in sorted(os.environ.items()) if k in ENV_ALLOW}
 
 
+def no_home(text: str) -> str:
+    """``text`` with the home directory written as '~' (for paths a result file records)."""
+    return _no_home(text)
+
+
 def _no_home(text: str) -> str:
     """``text`` with the home directory written as '~' (a path would name the user)."""
     home = os.environ.get("HOME") or os.path.expanduser("~")
@@ -251,6 +256,10 @@ class CpuMeter:
             return 0.0
         rest = text.rsplit(")", 1)[-1].split()
         return (float(rest[11]) + float(rest[12]))  # utime, stime (fields 14, 15)
+
+    def cpu_seconds(self, pid: int) -> float:
+        """CPU time (user + system) process ``pid`` has used so far; 0 once it is gone."""
+        return self._process(pid) / self.tick
 
     def snapshot(self, pids: tuple[int, ...] = ()) -> dict[str, float] | None:
         sysv = self._system()

@@ -15,7 +15,12 @@ keeps a panel readable.
 a log scale centred on parity (green: faster than the best peer, red: slower), each cell
 annotated with the efficiency, the best target and its % of roof.
 
-``bench`` writes both for its run; ``report`` for the merged fleet.
+``ratio_stability.png`` (a ``--hog`` run): each ratio (peer / ours, the median of the
+per-round ratios with its IQR as a whisker) measured quiet and with a busy loop pinned to one
+core, side by side per case and peer, the band of ±10% around the quiet ratio shaded; below,
+the difference in percent with the ±10% goal marked.
+
+``bench`` writes all of them for its run; ``report`` the first two for the merged fleet.
 """
 
 from __future__ import annotations
@@ -319,9 +324,71 @@ def plot_run(result: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
         if r.get("device_key") and r["device_key"] not in devices:
             devices.append(r["device_key"])
     commit = ((env.get("git") or {}).get("commit") or "")[:10]
-    return plot_records(result.get("cases", []), devices, names, out_dir,
-                        title=f"{host}, suite {result.get('config', {}).get('suite')}, "
-                              f"commit {commit}")
+    title = f"{host}, suite {result.get('config', {}).get('suite')}, commit {commit}"
+    written = plot_records(result.get("cases", []), devices, names, out_dir, title=title)
+    hog = result.get("hog") or {}
+    if hog.get("comparison"):
+        written.append(plot_stability(hog["comparison"], Path(out_dir), title=title,
+                                      core=hog.get("core")))
+    return written
+
+
+def plot_stability(comparison: Sequence[Mapping[str, Any]], out_dir: Path, title: str = "",
+                   core: Any = None) -> Path:
+    """``ratio_stability.png``: quiet versus hogged ratios (runner.compare_hogged records)."""
+    import numpy as np
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    comp = list(comparison)
+    labels = [f"{c['op']} {c['label']}\n{c['name']}" + (" (best)" if c.get("best_peer") else "")
+              for c in comp]
+    fig, axes = _figure(2, width=max(9.0, 0.95 * len(comp) + 3), height=3.9)
+    ax, bx = axes
+    x = np.arange(len(comp))
+    w = 0.38
+    for off, key, colour, name in ((-w / 2, "quiet", "#1f77b4", "quiet"),
+                                   (w / 2, "hogged", "#d62728",
+                                    f"busy loop on core {core}" if core is not None
+                                    else "hogged")):
+        med = np.array([c[key]["median"] for c in comp])
+        lo = med - np.array([c[key]["q1"] for c in comp])
+        hi = np.array([c[key]["q3"] for c in comp]) - med
+        ax.bar(x + off, med, w * 0.95, color=colour, label=name + " (median of per-round "
+               "ratios, IQR whiskers)", yerr=np.vstack([np.maximum(lo, 0), np.maximum(hi, 0)]),
+               capsize=2, ecolor="black", linewidth=0)
+    for i, c in enumerate(comp):
+        q = c["quiet"]["median"]
+        ax.fill_between([i - w, i + w], q * 0.9, q * 1.1, color="grey", alpha=0.25,
+                        label="quiet ±10%" if i == 0 else None)
+    ax.set_yscale("log")
+    ax.set_ylabel("ratio = peer time / ours (log)")
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(True, axis="y", alpha=0.3, which="both")
+    ax.set_title("ratio stability: quiet vs a CPU hog" + (f" — {title}" if title else ""),
+                 fontsize=9)
+    diffs = [c.get("diff_pct") if c.get("diff_pct") is not None else 0.0 for c in comp]
+    colours = ["#2ca02c" if c.get("within_10pct") else "#d62728" for c in comp]
+    bx.bar(x, diffs, 0.6, color=colours)
+    for xi, d in zip(x, diffs):
+        bx.text(xi, d, f"{d:+.0f}%", ha="center", va="bottom" if d >= 0 else "top",
+                fontsize=7)
+    bx.axhline(10, color="black", linestyle="--", linewidth=0.8, label="±10% goal")
+    bx.axhline(-10, color="black", linestyle="--", linewidth=0.8)
+    bx.axhline(0, color="black", linewidth=0.6)
+    n_ok = sum(1 for c in comp if c.get("within_10pct"))
+    bx.set_ylabel("hogged / quiet − 1 (%)")
+    bx.set_xticks(x)
+    bx.set_xticklabels(labels, fontsize=7)
+    bx.legend(fontsize=7, loc="best")
+    bx.grid(True, axis="y", alpha=0.3)
+    bx.set_title(f"difference from the quiet ratio: {n_ok} of {len(comp)} within ±10%",
+                 fontsize=9)
+    fig.tight_layout()
+    path = out_dir / "ratio_stability.png"
+    fig.savefig(path)
+    return path
 
 
 def plot_report(merged: Any, out_dir: str | Path) -> list[Path]:

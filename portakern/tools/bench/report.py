@@ -212,8 +212,30 @@ def portability(records: Sequence[Mapping[str, Any]], devices: Sequence[str]
     return out
 
 
+def spread_text(sp: Mapping[str, Any] | None) -> str:
+    """' [1.2–1.3]': the IQR of the per-round ratios (empty for older files without it)."""
+    if not sp or sp.get("q1") is None or sp.get("q3") is None:
+        return ""
+    return f" [{fmt_num(sp['q1'], 2)}–{fmt_num(sp['q3'], 2)}]"
+
+
+def contended_mark(r: Mapping[str, Any]) -> str:
+    """' ⚠' for a case that other processes still loaded after it was measured again."""
+    return " ⚠" if r.get("contended") else ""
+
+
+def eff_cell(r: Mapping[str, Any]) -> str:
+    """The efficiency against the best peer: the median of the per-round ratios, its IQR,
+    and the contention mark."""
+    e = r.get("efficiency")
+    if e is None:
+        return "—"
+    return fmt_num(e, 2) + spread_text(r.get("efficiency_spread")) + contended_mark(r)
+
+
 def target_cell(r: Mapping[str, Any] | None) -> str:
-    """One target's numbers on a device: efficiency vs its best peer and % of roof."""
+    """One target's numbers on a device: efficiency vs its best peer (median of the per-round
+    ratios [IQR]) and % of roof."""
     if r is None:
         return "—"
     if not r.get("supported"):
@@ -222,7 +244,8 @@ def target_cell(r: Mapping[str, Any] | None) -> str:
     pct = (r.get("achieved") or {}).get("ours", {}).get("pct_roofline")
     best = r.get("best_peer")
     peer = r["peers"][best]["name"] if best else "no peer"
-    return f"{fmt_num(e, 2)}× vs {peer}; {fmt_pct(pct)}% roof"
+    return (f"{fmt_num(e, 2)}×{spread_text(r.get('efficiency_spread'))} vs {peer}; "
+            f"{fmt_pct(pct)}% roof{contended_mark(r)}")
 
 
 def kinds_pp_cell(c: CasePP, names: Mapping[str, str]) -> str:
@@ -310,9 +333,21 @@ def _mem_cell(rec: Mapping[str, Any]) -> str:
 
 
 def _busy_cell(rec: Mapping[str, Any]) -> str:
+    """Others' share of the CPUs while the case ran; when it was measured again, the first
+    attempt's share too; ⚠ when even the attempt kept exceeds ``CONTENTION_NOTE``."""
     c = rec.get("contention") or {}
     share = c.get("other_share")
-    return "—" if share is None else f"{100 * share:.0f}%"
+    if share is None:
+        return "—"
+    text = f"{100 * share:.0f}%"
+    again = rec.get("remeasured") or {}
+    firsts = [a.get("other_share") for a in again.get("attempts") or []]
+    if len(firsts) > 1:
+        text += (" (measured " + str(len(firsts)) + "×: "
+                 + " / ".join("—" if f is None else f"{100 * f:.0f}%" for f in firsts) + ")")
+    if c.get("hog_share") is not None:
+        text += f", hog {100 * c['hog_share']:.0f}%"
+    return text + contended_mark(rec)
 
 
 def run_markdown(result: Mapping[str, Any]) -> str:
@@ -354,12 +389,14 @@ def run_markdown(result: Mapping[str, Any]) -> str:
     for r in cases:
         ach = r.get("achieved", {}).get("ours", {})
         ours = r.get("ours", {})
-        eff = r.get("efficiency")
         best = r.get("best_peer")
         best_name = r["peers"][best]["name"] if best else "—"
         unf = r.get("unfused")
         unf_cell = timing_cell(unf) if unf else ""
-        if unf and unf.get("status") == "ok" and ours.get("median_s"):
+        ur = r.get("unfused_ratio")
+        if ur and unf and unf.get("status") == "ok":
+            unf_cell += f" = {ur['median']:.2g}x ours{spread_text(ur)}"
+        elif unf and unf.get("status") == "ok" and ours.get("median_s"):
             unf_cell += f" = {unf['median_s'] / ours['median_s']:.2g}x ours"
         first = ours.get("first_call_s")
         info = ours.get("info") or {}
@@ -374,21 +411,14 @@ def run_markdown(result: Mapping[str, Any]) -> str:
         rows.append([r["op"], r["dtype"], r["label"], r["target"], timing_cell(ours), first_cell,
                      fmt_num(ach.get("gflops")), fmt_num(ach.get("gbs")),
                      fmt_pct(ach.get("pct_roofline")), _peers_cell(r), best_name,
-                     fmt_num(eff, 2), unf_cell, _mem_cell(r), _busy_cell(r)])
+                     eff_cell(r), unf_cell, _mem_cell(r),
+                     _busy_cell(r)])
     lines += ["", md_table(["op", "dtype", "size", "target", "ours (median ±IQR/2)",
                             "first call", "GFLOP/s", "GB/s", "% roof", "peers (median)",
-                            "best peer", "eff (peer/ours)", "unfused chain",
-                            "extra mem fused / unfused", "others' CPU"], rows)]
-    busy = [(r, r["contention"]) for r in cases if (r.get("contention") or {}).get(
-        "other_share", 0) > CONTENTION_NOTE]
-    if busy:
-        worst = max(c["other_share"] for _, c in busy)
-        which = ("" if len(busy) > 6 else ": " + "; ".join(
-            f"{r['id']} on {r['target']}" for r, _ in busy))
-        lines += ["", f"Contention: {len(busy)} of {len(cases)} measurements ran while other "
-                  f"processes used more than {CONTENTION_NOTE:.0%} of the CPUs (up to "
-                  f"{worst:.0%}; column \"others' CPU\"). Their absolute times are suspect; "
-                  f"ratios, measured back to back, less so{which}."]
+                            "best peer", "eff (peer/ours): median of per-round ratios [IQR]",
+                            "unfused chain", "extra mem fused / unfused", "others' CPU"], rows)]
+    lines += contention_lines(cases)
+    lines += hog_lines(result.get("hog"))
     lines += dispatch_markdown(result.get("dispatch") or {})
     attach_devices(result)
     host = env.get("hostname", "?")
@@ -406,6 +436,52 @@ def run_markdown(result: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def contention_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The note under the run table: cases measured again, and those still contended."""
+    again = [r for r in cases if r.get("remeasured")]
+    still = [r for r in cases if r.get("contended")]
+    busy = [r for r in cases if (r.get("contention") or {}).get("other_share") is not None
+            and r["contention"]["other_share"] > CONTENTION_NOTE]
+    if not (again or busy):
+        return []
+    text = (f"Contention: {len(again)} of {len(cases)} measurements ran while other processes "
+            f"used more than {CONTENTION_NOTE:.0%} of the CPUs and were measured again (the "
+            "least contended attempt is kept; column \"others' CPU\" gives each attempt's "
+            "share).")
+    if still or busy:
+        worst = max((r["contention"]["other_share"] for r in busy), default=0.0)
+        which = ("" if len(still) > 8 else ": " + "; ".join(
+            f"{r['id']} on {r['target']}" for r in still))
+        text += (f" **⚠ {len(still)} still exceeded it** (up to {worst:.0%}){which}. Their "
+                 "absolute times are suspect; their ratios, medians of interleaved rounds, "
+                 "less so, but a steady load can slow one implementation more than another.")
+    return ["", text]
+
+
+def hog_lines(hog: Mapping[str, Any] | None) -> list[str]:
+    """The quiet-versus-hogged table of a `--hog` run (empty otherwise)."""
+    if not hog:
+        return []
+    rows = []
+    for c in hog.get("comparison") or []:
+        q, h = c["quiet"], c["hogged"]
+        d = c.get("diff_pct")
+        rows.append([c["op"], c["label"], c["target"], c["name"] + (" (best)" if c.get(
+            "best_peer") else ""), f"{fmt_num(q['median'], 3)}{spread_text(q)}",
+            f"{fmt_num(h['median'], 3)}{spread_text(h)}",
+            "—" if d is None else f"{d:+.1f}%", "yes" if c.get("within_10pct") else "**no**",
+            "—" if c.get("quiet_other_share") is None else
+            f"{100 * c['quiet_other_share']:.0f}%",
+            "—" if c.get("hog_share") is None else f"{100 * c['hog_share']:.0f}%"])
+    n_ok = sum(1 for c in hog.get("comparison") or [] if c.get("within_10pct"))
+    return ["", f"Load stability (`--hog`): every case measured quiet, then with a busy loop "
+            f"pinned to core {hog.get('core')}; each ratio (peer / ours, median of the "
+            f"per-round ratios [IQR]) quiet and hogged. Within 10% of the quiet ratio: "
+            f"{n_ok} of {len(rows)}.", "",
+            md_table(["op", "size", "target", "ratio of", "quiet", "hogged", "difference",
+                      "within 10%", "others' CPU (quiet)", "hog's CPU share"], rows)]
+
+
 def _us_spread(m: Mapping[str, float]) -> str:
     """'12.3 µs ±4%': a median in microseconds and half its IQR relative to it."""
     med = m["median"]
@@ -420,50 +496,57 @@ HOST_COLUMNS = {"call": "call", "call_out": "out=", "call_backend": "backend=",
 
 def dispatch_markdown(dispatch: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Lines of the dispatch-overhead table (one row per target and entry point; empty when
-    not measured)."""
+    not measured). Each overhead cell holds the host figure and the wall figure side by side,
+    ``host / wall``, so the number the target is judged on is never read without the other."""
     from .dispatch import TARGET_US, entries_of
 
     if not dispatch:
         return []
     rows = []
     head = None
+    ncols = len(HOST_COLUMNS) + 2
     for target, rec in dispatch.items():
         for name, d in entries_of(rec).items():
             if d.get("status") != "ok":
-                rows.append([target, name, d.get("status", "?"), *[""] * 8,
+                rows.append([target, name, d.get("status", "?"), *[""] * (ncols - 1),
                              _cell(str(d.get("reason", ""))[:100])])
                 continue
             head = head or d
             pc, ov, ok = d["per_call_us"], d["overhead_us"], d["meets_target"]
-            host = d.get("host")
+            host = d.get("host") or {}
+            hov = host.get("overhead_us") or {}
 
-            def over(o: Mapping[str, float], v: str) -> str:
-                return f"{o[v]:+.3g} µs" if v in o else "n/a"
+            def pair(v: str, hov: Mapping[str, float] = hov, ov: Mapping[str, float] = ov
+                     ) -> str:
+                if v not in hov and v not in ov:
+                    return "n/a"
+                h = f"{hov[v]:+.3g}" if v in hov else "n/a"
+                w = f"{ov[v]:+.3g}" if v in ov else "n/a"
+                return f"{h} / {w} µs"
 
-            hov = ([*(over(host["overhead_us"], v) for v in HOST_COLUMNS),
-                    _us_spread(host["per_call_us"]["raw"])] if host
-                   else ["n/a"] * (len(HOST_COLUMNS) + 1))
+            raw = (_us_spread(host["per_call_us"]["raw"]) if host.get("per_call_us") else "n/a")
             judged = "host" if d.get("judged_on", "wall") == "host" else "wall"
             within = ", ".join(f"{HOST_COLUMNS[v]} {'yes' if ok[v] else 'no'}"
                                for v in HOST_COLUMNS if v in ok)
-            rows.append([target, d.get("call", name), *hov, _us_spread(pc["call"]),
-                         _us_spread(pc["raw"]), over(ov, "call"), over(ov, "call_out"),
-                         f"{within} ({judged})"])
+            rows.append([target, d.get("call", name), *(pair(v) for v in HOST_COLUMNS),
+                         f"{raw} / {_us_spread(pc['raw'])}", _us_spread(pc["call"]),
+                         f"{within} (judged on {judged})"])
     bound = (head or {}).get("target_us", TARGET_US)
     what = (f"{head.get('dtype', '')}, device-resident, {head['iterations']} calls per block, "
             f"median of {head['rounds']} interleaved rounds" if head else "")
     return ["", f"Dispatch overhead of the calls users write ({what}; target: each adds at "
-            f"most {bound:g} µs over the raw enqueue of the same compiled kernels). **Host**: "
-            "the calls enqueued while the device queue is held, only the host's side timed "
-            "(portakern's own cost; the target is judged on it): the call as written (backend "
-            "picked from the inputs), with `out=`, with `backend=` and inside `pk.use(...)`. "
-            "**Wall**: the calls plus one "
-            "synchronize per block, device work included; on a CPU device its worker threads "
-            "share the host's cores and amplify host time (docs/bench.md):", "",
-            md_table(["target", "call", "host overhead", "host overhead out=",
-                      "host overhead backend=", "host overhead pk.use", "host raw enqueue",
-                      "wall per call", "wall raw enqueue", "wall overhead",
-                      "wall overhead out=", f"within {bound:g} µs"], rows)]
+            f"most {bound:g} µs over the raw enqueue of the same compiled kernels, whose scalar "
+            "arguments are bound once, as the plan's are). Every overhead cell is **host / "
+            "wall**. **Host**: the calls enqueued while the device queue is held, only the "
+            "host's side timed (portakern's own cost; the target is judged on it). **Wall**: "
+            "the calls plus one synchronize per block, device work included; on a CPU device "
+            "its worker threads share the host's cores and amplify host time (docs/bench.md). "
+            "Columns: the call as written (backend picked from the inputs), with `out=`, with "
+            "`backend=` and inside `pk.use(...)`:", "",
+            md_table(["target", "call", "overhead: call (host / wall)",
+                      "overhead: out= (host / wall)", "overhead: backend= (host / wall)",
+                      "overhead: pk.use (host / wall)", "raw enqueue per call (host / wall)",
+                      "wall per call", f"within {bound:g} µs"], rows)]
 
 
 def warnings_markdown(missing: Mapping[str, str]) -> list[str]:
