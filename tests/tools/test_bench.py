@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -1448,3 +1449,67 @@ def test_raw_enqueue_sets_per_call_exactly_the_arguments_the_plan_sets(
     be.synchronize()
     assert sorted(own.sets) == sorted(plan_sets) == sorted(buffers * 3)
     np.testing.assert_allclose(be.to_numpy(out), be.to_numpy(pk.softmax(x)), rtol=1e-6)
+
+
+# --- the main job leaves the checkout clean (issue 26, item 5) ------------------------------------
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _main_sh_bench_args() -> list[str]:
+    import shlex
+
+    for line in (REPO / "scripts" / "main.sh").read_text().splitlines():
+        if "portakern bench --" in line and not line.lstrip().startswith(("#", "if")):
+            words = shlex.split(line)
+            return [w for w in words[words.index("bench") + 1:] if w != "$@"]
+    raise AssertionError("scripts/main.sh runs no `portakern bench`")
+
+
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                          check=False)
+
+
+def test_the_main_job_writes_only_untracked_ignored_files(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    import argparse
+    import datetime
+    import shutil
+
+    from portakern.tools.bench import cli
+
+    if shutil.which("git") is None or _git("rev-parse", "--git-dir").returncode != 0:
+        pytest.skip("not a git checkout")
+    args_list = _main_sh_bench_args()
+    assert "--out" not in args_list  # the committed results change only with an explicit --out
+    parser = argparse.ArgumentParser()
+    cli.add_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", *args_list])
+    monkeypatch.chdir(REPO)  # where main.sh runs it
+    now = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+    where = cli.resolve_outputs(args.out, args.plots, args.no_plots, hostname="vm", now=now)
+    assert where.default and where.plots is not None
+    assert where.json == Path("benchmarks/runs/vm-20260102T030405Z/results.json")
+    written = [where.json, where.markdown, where.plots / "attention_float32.png",
+               where.plots / "ratio_stability.png"]
+    for p in written:
+        rel = (REPO / p).relative_to(REPO).as_posix()
+        assert _git("ls-files", "--error-unmatch", rel).returncode != 0, f"{rel} is tracked"
+        assert _git("check-ignore", "-q", rel).returncode == 0, f"{rel} is not git-ignored"
+    # an explicit --out is the maintainer's way to write the committed files
+    mine = cli.resolve_outputs("benchmarks/results/vm.json", None, False)
+    assert mine.json == Path("benchmarks/results/vm.json") and not mine.default
+    assert mine.plots == Path("benchmarks/results/vm-plots")
+
+
+def test_outside_a_checkout_runs_go_to_the_user_cache(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    from portakern.tools.bench import cli
+
+    monkeypatch.setattr(cli, "checkout_root", lambda: None)
+    monkeypatch.setenv("PORTAKERN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    where = cli.resolve_outputs(None, None, True, hostname="my host")
+    assert where.plots is None
+    assert where.json.parts[:4] == ("cache", "bench", "runs", where.json.parts[3])
+    assert where.json.parts[3].startswith("my_host-") and where.json.name == "results.json"

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .suites import SIZES
@@ -15,6 +18,71 @@ def _csv(text: str | None) -> tuple[str, ...] | None:
         return None
     items = tuple(x.strip() for x in text.split(",") if x.strip())
     return items or None
+
+
+# where a user's run writes: never a tracked file (issue 26, item 5). The committed
+# results (benchmarks/results/<host>.*) are written only with an explicit --out.
+RUNS_DIR = Path("benchmarks") / "runs"  # git-ignored (.gitignore) in the checkout
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The files a `portakern bench` run writes: the JSON, the markdown beside it, the plots."""
+
+    json: Path
+    markdown: Path
+    plots: Path | None
+    default: bool  # True: chosen by the bench (no --out), an untracked place
+
+
+def checkout_root() -> Path | None:
+    """The portakern source checkout this module runs from (an editable install), else None."""
+    root = Path(__file__).resolve().parents[3]
+    if (root / ".git").exists() and (root / "pyproject.toml").is_file() \
+            and (root / "benchmarks").is_dir():
+        return root
+    return None
+
+
+def default_run_dir(hostname: str | None = None, now: datetime.datetime | None = None
+                    ) -> Path:
+    """``benchmarks/runs/<host>-<UTC time>/`` of the checkout (git-ignored), or the same under
+    the user's cache (``<cache root>/bench/runs``) when portakern is not run from a checkout."""
+    host = "".join(ch if ch.isalnum() or ch in "-_." else "_"
+                   for ch in (hostname or socket.gethostname()))
+    stamp = (now or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    root = checkout_root()
+    if root is not None:
+        base = root / RUNS_DIR
+    else:
+        from ...core.cache import cache_root
+
+        base = cache_root() / "bench" / "runs"
+    return base / f"{host}-{stamp}"
+
+
+def resolve_outputs(out: str | None, plots: str | None, no_plots: bool, *,
+                    hostname: str | None = None, now: datetime.datetime | None = None
+                    ) -> Outputs:
+    """Where a run writes. Without ``--out``: ``results.json``, ``results.md`` and ``plots/``
+    in a new ``default_run_dir``. With it: that file, its ``.md`` and ``<out>-plots/``."""
+    if out is None:
+        run = _near(default_run_dir(hostname, now))
+        j = run / "results.json"
+        pl = None if no_plots else Path(plots) if plots else run / "plots"
+        return Outputs(j, j.with_suffix(".md"), pl, True)
+    j = Path(out)
+    pl = None if no_plots else Path(plots) if plots else Path(str(j.with_suffix("")) + "-plots")
+    return Outputs(j, j.with_suffix(".md"), pl, False)
+
+
+def _near(path: Path) -> Path:
+    """``path`` relative to the working directory when it lies under it (a result file then
+    records ``benchmarks/runs/...``, not a path naming the user's home), else as it is."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 def _hog_core(text: str | None) -> int | None:
@@ -51,8 +119,9 @@ def _bench(args: argparse.Namespace) -> int:
         peers = None
     if peers == ():
         peers = None
-    out = args.out or str(Path("benchmarks") / "results" / f"{socket.gethostname()}.json")
-    plots_dir = None if args.no_plots else (args.plots or str(Path(out).with_suffix("")) + "-plots")
+    where = resolve_outputs(args.out, args.plots, args.no_plots)
+    out = str(where.json)
+    plots_dir = None if where.plots is None else str(where.plots)
     try:
         timing = with_timing_overrides(TIMING[args.suite], min_time=args.min_time,
                                        min_reps=args.min_reps, max_reps=args.max_reps,
@@ -71,18 +140,22 @@ def _bench(args: argparse.Namespace) -> int:
                       remeasure=args.remeasure, hog=hog)
     from ...core.errors import PortakernError
 
+    if where.default:
+        print(f"portakern bench: writing to {where.json.parent}{os.sep} (untracked; to "
+              "replace the committed results, a maintainer passes --out "
+              f"benchmarks/results/{socket.gethostname()}.json)", file=sys.stderr)
     try:
         result = run_bench(cfg)
     except (ValueError, LookupError, PortakernError) as exc:
         print(f"portakern bench: {exc}", file=sys.stderr)
         return 2
     md = run_markdown(result)
-    Path(out).with_suffix(".md").write_text(md)
+    where.markdown.write_text(md)
     if plots_dir and result.get("cases"):
         files = plot_run(result, plots_dir)
         print(f"plots: {', '.join(str(f) for f in files)}", file=sys.stderr)
     print(md)
-    print(f"results: {out} (+ {Path(out).with_suffix('.md')})", file=sys.stderr)
+    print(f"results: {where.json} (+ {where.markdown})", file=sys.stderr)
     if result.get("interrupted"):
         return 130
     return 0 if result.get("targets") else 1
@@ -127,9 +200,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--limit", type=int, default=None,
                    help="only the first N (smallest) sizes of each op")
     p.add_argument("--out", default=None,
-                   help="result JSON (default benchmarks/results/<hostname>.json; a .md table "
-                        "is written beside it)")
-    p.add_argument("--plots", default=None, help="directory for PNG plots (default: beside --out)")
+                   help="result JSON, a .md table written beside it (default: a new "
+                        "benchmarks/runs/<hostname>-<UTC time>/results.json, git-ignored; "
+                        "the committed results are written only with an explicit --out "
+                        "benchmarks/results/<hostname>.json)")
+    p.add_argument("--plots", default=None,
+                   help="directory for PNG plots (default: beside --out, or plots/ in the run "
+                        "directory)")
     p.add_argument("--no-plots", action="store_true", help="write no plots")
     p.add_argument("--min-time", type=float, default=None,
                    help="seconds of samples per measurement (suite default 0.2 / 0.5)")
