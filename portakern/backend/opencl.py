@@ -10,6 +10,7 @@ default, which the tolerance rules allow); fp16 storage uses core vload_half/vst
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,6 @@ from ..core import dtypes, settings
 from ..core.errors import (
     BackendUnavailable,
     CompileError,
-    ContextMismatchError,
     DeviceMemoryError,
     InvalidArgumentError,
     UnknownBackendError,
@@ -35,7 +35,9 @@ from .opencl_devices import (
     cache_dir,
     cl,
     cla,
+    context_error,
     default_device,
+    device_of_array,
     is_allocation_failure,
     probe_devices,
     select_device,
@@ -92,13 +94,7 @@ class OpenCLBackend(KernelBackend):
 
     @classmethod
     def selector_of(cls, x: Any) -> str | None:
-        """The index of the device whose context holds the array (by cl_device_id)."""
-        try:
-            ptr = x.context.devices[0].int_ptr
-        except Exception:
-            return None
-        return next((str(d.index) for d in cls.probe().devices
-                     if d.extra.get("device_id") == ptr), None)
+        return device_of_array(x, cls.probe().devices)
 
     @classmethod
     def canonical_device(cls, device: str | None) -> str | None:
@@ -167,7 +163,7 @@ class OpenCLBackend(KernelBackend):
         a crash, or another allocation's memory overwritten)."""
         ctx = x.context
         if ctx is not self.ctx and ctx != self.ctx:  # identity first: the per-call path
-            raise self._context_error(name, x)
+            raise context_error(self, name, x)
         if x.offset or not x.flags.c_contiguous:
             raise InvalidArgumentError(
                 f"argument {name!r} is a non-contiguous or offset pyopencl view (strides "
@@ -177,7 +173,7 @@ class OpenCLBackend(KernelBackend):
             bd = x.base_data
             have = -1 if bd is None else bd.size
             if nbytes > have or nbytes != x.size * x.dtype.itemsize:
-                    raise InvalidArgumentError(
+                raise InvalidArgumentError(
                     f"argument {name!r} (pyopencl Array, shape {tuple(x.shape)}, dtype "
                     f"{dtypes.dtype_name(x.dtype)}) needs {x.size * x.dtype.itemsize} bytes but "
                     f"its buffer holds {max(have, 0)} (nbytes {nbytes}); the kernel would read "
@@ -230,30 +226,6 @@ class OpenCLBackend(KernelBackend):
         if bd is None or not x.nbytes:
             return None
         return ("cl", bd.int_ptr), x.offset, x.offset + x.nbytes
-
-    def _context_error(self, name: str, x: Any) -> Exception:
-        """Both contexts named (their devices, and the portakern backend that owns the array's
-        context when there is one) and the fix."""
-        from .base import _INSTANCES
-
-        def devices(ctx: Any) -> str:
-            try:
-                return ", ".join(d.name.strip() for d in ctx.devices)
-            except Exception:
-                return "?"
-
-        owner = next((i for i in list(_INSTANCES) if isinstance(i, OpenCLBackend)
-                      and i is not self and getattr(i, "ctx", None) == x.context), None)
-        theirs = (f"the context of {owner.label} ({devices(x.context)})" if owner is not None
-                  else f"a context made outside portakern (device {devices(x.context)})")
-        move = (f"portakern.to_backend(x.get(), {self.label!r})" if owner is None else
-                f"backend={owner.label!r} to run where it lives, or "
-                f"portakern.to_backend(x.get(), {self.label!r}) to move it")
-        return ContextMismatchError(
-            f"argument {name!r} lives in {theirs}, but this call runs on {self.label} "
-            f"({devices(self.ctx)}, context of portakern's {self.label} backend). A kernel can "
-            f"only use buffers of its own context. Fix: pass {move}; arrays made by "
-            "portakern.to_backend(x, 'opencl:N') are in that device's one shared context.")
 
     def to_native(self, x: np.ndarray) -> Any:
         x = native_byte_order(x)  # kernels read native-order floats; '>f4' is float32 too
@@ -352,7 +324,11 @@ class OpenCLBackend(KernelBackend):
         options = list(BUILD_OPTIONS) + list(self.extra_build_options)
         prg = cl.Program(self.ctx, source)
         try:
-            prg = prg.build(options=options, devices=[self._cl_device], cache_dir=cache_dir())
+            with warnings.catch_warnings():  # a successful build's log is not a warning:
+                # Intel's runtime logs every build (vectorizer remarks); see build_log
+                warnings.simplefilter("ignore", cl.CompilerWarning)
+                prg = prg.build(options=options, devices=[self._cl_device],
+                                cache_dir=cache_dir())
         except cl.RuntimeError as exc:
             try:
                 log = prg.get_build_info(self._cl_device, cl.program_build_info.LOG)

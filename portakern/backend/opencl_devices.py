@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..core import settings
-from ..core.errors import BackendUnavailable, UnknownBackendError
+from ..core.errors import BackendUnavailable, ContextMismatchError, UnknownBackendError
 from .base import Availability, DeviceInfo, ForkGuard
 
 try:  # optional dependency: guarded, with an install hint in the availability record
@@ -204,6 +204,42 @@ def select_device(devices: Sequence[DeviceInfo], selector: str | None) -> Device
         raise UnknownBackendError(f"opencl:{selector} names no OpenCL device; expected an "
                                   f"index or a platform's name. Devices: {listing}")
     return named[0]
+
+
+def device_of_array(x: Any, devices: Sequence[DeviceInfo]) -> str | None:
+    """The index (as a selector) of the device whose context holds a pyopencl array, by its
+    cl_device_id; None when it is none of ``devices``."""
+    try:
+        ptr = x.context.devices[0].int_ptr
+    except Exception:
+        return None
+    return next((str(d.index) for d in devices if d.extra.get("device_id") == ptr), None)
+
+
+def context_error(backend: Any, name: str, x: Any) -> ContextMismatchError:
+    """An array of another context passed to ``backend``: both contexts named (their
+    devices, and the portakern backend that owns the array's context when there is one),
+    and the fix."""
+    from .base import _INSTANCES
+
+    def devices(ctx: Any) -> str:
+        try:
+            return ", ".join(d.name.strip() for d in ctx.devices)
+        except Exception:
+            return "?"
+
+    owner = next((i for i in list(_INSTANCES) if i.name == "opencl" and i is not backend
+                  and getattr(i, "ctx", None) == x.context), None)
+    theirs = (f"the context of {owner.label} ({devices(x.context)})" if owner is not None
+              else f"a context made outside portakern (device {devices(x.context)})")
+    move = (f"portakern.to_backend(x.get(), {backend.label!r})" if owner is None else
+            f"backend={owner.label!r} to run where it lives, or "
+            f"portakern.to_backend(x.get(), {backend.label!r}) to move it")
+    return ContextMismatchError(
+        f"argument {name!r} lives in {theirs}, but this call runs on {backend.label} "
+        f"({devices(backend.ctx)}, context of portakern's {backend.label} backend). A kernel "
+        f"can only use buffers of its own context. Fix: pass {move}; arrays made by "
+        "portakern.to_backend(x, 'opencl:N') are in that device's one shared context.")
 
 
 def probe_devices() -> Availability:
