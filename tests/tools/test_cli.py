@@ -51,3 +51,17 @@ def test_check_that_checks_nothing_does_not_pass(capsys: pytest.CaptureFixture[s
         pk.unregister_op("nothing_checkable")
     out = capsys.readouterr().out
     assert rc == 1 and "NOTHING CHECKED" in out and "passed" not in out.splitlines()[-1], out
+
+
+def test_check_passes_on_every_kernel_target(kernel_target: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`portakern check` (the conformance run users start) on each C-kernel target of this
+    machine: PoCL and Intel's CPU runtime where the set-up installed both. Every op and
+    dtype, two random cases each; exit 0 and a PASS line, never NOTHING CHECKED."""
+    from portakern.tools.cli import main
+
+    rc = main(["check", "--backend", kernel_target, "--examples", "2", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "conformance: passed" in out and " 0 fail" in out, out
+    assert "NOTHING CHECKED" not in out and " pass" in out, out
