@@ -105,8 +105,10 @@ def invalidate() -> None:
 # --- device fingerprints ------------------------------------------------------------------
 def fingerprint_of(backend_name: str, info: DeviceInfo, versions: Mapping[str, str]
                    ) -> dict[str, Any]:
-    """What a tuning result is only valid for: the device, its driver, the runtime/compiler."""
+    """What a tuning result is only valid for: the device, its driver, the runtime/compiler
+    (the OpenCL platform too: PoCL and Intel's runtime on one CPU keep entries apart)."""
     return {"backend": str(backend_name), "vendor": str(info.vendor), "name": str(info.name),
+            "implementation": str(info.extra.get("alias", "")),
             "driver": str(info.driver), "platform": str(info.platform),
             "versions": {str(k): str(v) for k, v in sorted(versions.items())}}
 
@@ -118,7 +120,8 @@ def fingerprint(backend: Backend) -> dict[str, Any]:
 def device_key(fp: Mapping[str, Any]) -> str:
     """A directory name for a fingerprint: readable backend name + hash of all of it."""
     h = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
-    name = re.sub(r"[^a-z0-9_]", "_", str(fp.get("backend", "x")).lower())[:32] or "x"
+    readable = "_".join(str(fp[k]) for k in ("backend", "implementation") if fp.get(k))
+    name = re.sub(r"[^a-z0-9_]", "_", readable.lower())[:32] or "x"
     return f"{name}-{h}"
 
 

@@ -148,3 +148,17 @@ def test_half_path_on_a_device_with_fp16_arithmetic() -> None:
             got = pk.call(spec, backend=label, **arrays, **params)
             verdict = compare_arrays(spec, bound, bparams, got)
             assert verdict.ok, f"{op} float16 on {label}:\n{verdict}"
+
+
+def test_tuning_entries_are_kept_per_implementation() -> None:
+    """PoCL and Intel's runtime on one CPU are two implementations: the tuner's store key
+    (the device fingerprint) differs between them and names each readably."""
+    from portakern.runtime import configs
+
+    devs = [d for d in _opencl_devices() if not d["extra"].get("simulator")]
+    keys = {configs.device_key(configs.fingerprint(selection.get(f"opencl:{d['index']}")))
+            for d in devs}
+    assert len(keys) == len(devs), keys
+    for d in devs:
+        key = configs.device_key(configs.fingerprint(selection.get(f"opencl:{d['index']}")))
+        assert key.startswith(f"opencl_{d['extra']['alias']}-"), key
