@@ -324,8 +324,8 @@ class Tools(Group):
         "worker processes of `portakern check --compile-only`; unset: the CPUs, at most 8")
     ptxas = FilePath(
         "PORTAKERN_PTXAS",
-        "the ptxas the resource report runs; unset: PATH, beside nvcc, $CUDA_PATH/bin, "
-        "/usr/local/cuda/bin")
+        "the ptxas the resource report runs; unset: the portakern[cuda] wheel's "
+        "(nvidia-cuda-nvcc-cu12), then PATH, beside nvcc, $CUDA_PATH/bin, /usr/local/cuda/bin")
     hipcc = FilePath(
         "PORTAKERN_HIPCC",
         "the hipcc the AMD compile check runs; unset: PATH, then /opt/rocm/bin/hipcc")
