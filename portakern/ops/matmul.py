@@ -147,40 +147,79 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
     return gamma * mag + p.info.unit_roundoff * np.abs(ref) + floor
 
 
-# Probabilistic model (the statistical check, portakern.verify). For one output element let
-# p_k = a_k b_k (exact, float64) and P_j = p_1 + ... + p_j (P_0 = 0) its prefix sums. Any
-# summation tree whose every node adds a contiguous run of k -- sequential, blocked (tiles of
-# TK or KBLOCK partial sums added into the running sum), pairwise, any mix -- has K - 1 nodes,
-# and each node's value s is a difference of two prefix sums, so |s| <= R := max_j P_j -
-# min_j P_j. Each node rounds with error eps*s, |eps| <= u; each product with delta*p, |delta|
-# <= u (0 with FMA); storing the result to the output dtype adds eta*c, |eta| <= u_out. With
-# these errors independent and mean-zero (Higham & Mary 2019), Hoeffding's lemma makes the
-# total error sub-Gaussian with variance proxy
+# Probabilistic models (the statistical check, portakern.verify). Two, for two kinds of
+# result; both split the error into independent, mean-zero rounding errors (Higham & Mary
+# 2019), each bounded by h(s) for the value s it rounds, and take their sum as sub-Gaussian
+# with variance proxy sigma^2 = sum h(s)^2 (Hoeffding's lemma), first order in u.
+#
+# `statistical` (order-free: pk.verify of any result, array backends). For one output element
+# let p_k = a_k b_k (exact, float64) and P_j = p_1 + ... + p_j (P_0 = 0) its prefix sums. Any
+# summation tree whose every node adds a contiguous run of k -- sequential, blocked, pairwise,
+# any mix -- has K - 1 nodes, and each node's value s is a difference of two prefix sums, so
+# |s| <= R := max_j P_j - min_j P_j. With h(s) = u|s| for the nodes and the products (0 with
+# FMA) and u_out|c| for the store,
 #     sigma^2 = u^2 (sum_k p_k^2 + (K - 1) R^2) + u_out^2 c^2
-# in every such order, with or without FMA (first order in u; K u << 1). For random-sign data
-# R ~ 1.6 sqrt(K) max|p|, so sigma ~ 1.3 K u where the worst-case bound has 2 K u |A||B|;
-# inputs rounded to TF32 err by ~ 2^-11 sqrt(sum p^2) ~ 2^-11 sqrt(K): at K = 16384 that is
-# ~400 sigma^2 in z^2 (normal data), bf16-rounded inputs ~3e4, a dropped K term ~3e5.
-# Where the hypothesis fails: a *sequential* fp32 sum over thousands of terms with a large
-# common offset (+-1e4 operands) rounds every step the same way once the running sum's ulp
-# exceeds the terms' spread, and its error grows like K, not sqrt(K) (measured 6 sigma at
-# K = 16384): portakern's kernels therefore add KBLOCK-term partial sums into a compensated
-# running sum (matmul.c), as BLAS libraries block K. Underflow: the worst-case floor is the
-# deterministic slack. Errors of different output elements are independent (one group each).
+# in every such order. It must admit one running sum over all K (a correct order), so its
+# sigma is ~9x / 16x the ordered model's (below) on normal data at K = 4096 / 16384, and
+# ~21x / 65x on data without cancellation (all-positive, same-sign offsets: R = |c|).
+# Measured (float32, 96 outputs, 30 seeds, K = 4096 / 16384): random errors pass it up to
+# ~20x / 40x the kernel's rms error on normal data and ~50x / 150x on all-positive and
+# same-sign-offset data, and TF32-rounded inputs pass it on all-positive data (caught in 5/30
+# seeds at K = 4096, 0/30 at 16384) and same-sign +-1e4 offsets (0/30). Tables:
+# docs/guarantees.md ("Correctness checks").
+#
+# `statistical_ordered` (results of matmul.c itself: the suite and `portakern check` on
+# C-kernel backends, compare_arrays(ordered=True)). matmul.c writes one tree for every output
+# element on every path and schedule (bit for bit an fp32 emulation on PoCL on all four
+# paths, tests/runtime/test_statistical_power.py; Intel's CPU OpenCL compiler reassociates
+# the scalar direct path, which the model cannot see): k in blocks of KB1 = 512 terms, each a
+# sequential sum s_j = fl(s_{j-1} + p_k) from 0 (an FMA, or a rounded product then an add);
+# block sums added one by one into a second-level sum, KB2 = 16 blocks each; those added one
+# by one into the total. (Plain additions, no compensation.) Its rounding nodes are the
+# products p_k (unless fused), every running value s_j after the first in a block, in a
+# second-level sum and in the total; the model sums h(s)^2 over exactly those values (exact
+# partial sums, float64), with h(s) half an ulp of s in the compute format (u 2^floor(log2
+# |s|), |s| widened by 2^-10 against a computed value across a binade edge), plus the
+# store's u_out^2 c^2 where the output dtype is narrower (fp16, bf16). A uniform rounding
+# error has variance h^2/3, so the kernel's own results sit near T = 1/3 and a result with
+# random errors m times the kernel's rms has T ~ (1 + m^2)/3: caught once m > sqrt(3 tau(G)
+# - 1), 2.4 at 96 outputs, 1.7 at 1000, 4x from 15 outputs on. Measured (float32, 96 outputs,
+# K = 4096 and 16384, normal, all-positive and +-1e4-offset data): random errors of 2.2-2.4x
+# the kernel's rms caught (median over 30 seeds; at most 3.5x), TF32-rounded inputs caught on
+# every family (T/tau >= 14), and no false alarm on the kernel's own results in 1000 seeds x
+# 5 families x both K on PoCL (largest T/tau 0.24). It knows one order: a correct result of
+# another order can fail it (one running sum; numpy/OpenBLAS' sgemm on all-positive data at
+# K = 4096, T/tau ~ 5), so it judges only results marked as matmul.c's. float64: the float64
+# oracle errs as much as the kernel, in OpenBLAS' unknown order, so `statistical` judges
+# float64 results either way.
+#
+# Underflow: the worst-case floor is the deterministic slack (both models). Errors of
+# different output elements are independent (one group each).
 STAT_CHUNK = 1 << 20  # float64 products materialised at once (8 MiB)
+KB1, KB2 = 512, 16  # matmul.c's K blocking (its #defines; a test keeps the two equal)
+BINADE_MARGIN = 1.0 + 2.0**-10  # h(s) from |s| widened by this (see statistical_ordered)
+
+
+def _operands3(p: Problem, x: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """a as (batch, M, K) and b transposed as (batch, N, K), K contiguous."""
+    batch, M, N, K = (p.derived[k] for k in ("batch", "M", "N", "K"))
+    a3 = np.broadcast_to(x["a"], batch + x["a"].shape[-2:]).reshape(-1, M, K)
+    b3 = np.broadcast_to(x["b"], batch + x["b"].shape[-2:]).reshape(-1, K, N)
+    return a3, np.ascontiguousarray(np.swapaxes(b3, -1, -2))
+
+
+def _floor(p: Problem) -> float:
+    return p.info.subnormal + p.derived["K"] * float(np.finfo(p.info.compute).tiny)
 
 
 def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
+    """The order-free model (the comment above): any contiguous-run summation order."""
     from ..core.statmodel import StatModel
 
     K = p.derived["K"]
     u = float(np.finfo(p.info.compute).eps) / 2
-    a, b = x["a"], x["b"]
-    batch = p.derived["batch"]
-    M, N = p.derived["M"], p.derived["N"]
-    a3 = np.broadcast_to(a, batch + a.shape[-2:]).reshape(-1, M, K)
-    b3 = np.broadcast_to(b, batch + b.shape[-2:]).reshape(-1, K, N)
-    bt = np.ascontiguousarray(np.swapaxes(b3, -1, -2))  # (batch, N, K): K contiguous
+    a3, bt = _operands3(p, x)
+    M, N = a3.shape[1], bt.shape[1]
     rng = np.empty((a3.shape[0], M, N))
     sq = np.empty((a3.shape[0], M, N))
     rows = max(1, STAT_CHUNK // max(1, K * N))
@@ -194,8 +233,58 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
                                         - np.minimum(pre.min(axis=2), 0.0))
         var = sq.reshape(ref.shape) + (K - 1) * (rng * rng).reshape(ref.shape)
         sigma2 = u * u * var + (p.info.unit_roundoff * ref) ** 2
-    floor = p.info.subnormal + K * float(np.finfo(p.info.compute).tiny)
-    return StatModel(np.sqrt(sigma2), floor)
+    return StatModel(np.sqrt(sigma2), _floor(p))
+
+
+def _half_ulp2(s: np.ndarray, u: float, valid: np.ndarray | bool = True) -> np.ndarray:
+    """h(s)^2 = (u 2^floor(log2 |s| (1 + 2^-10)))^2 where ``valid``, 0 elsewhere and at 0;
+    +inf where s is not finite (the element is then judged by the worst-case check alone)."""
+    _, e = np.frexp(np.abs(s) * BINADE_MARGIN)
+    h = np.ldexp(u, e - 1)
+    h2 = np.where(np.isfinite(s), h * h, np.inf)
+    return np.where(valid & (s != 0), h2, 0.0)
+
+
+def statistical_ordered(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
+    """The model of matmul.c's own summation tree (the comment above): sigma^2 is the sum of
+    h(s)^2 over the tree's actual node values, not the worst case over all orders."""
+    from ..core.statmodel import StatModel
+
+    if p.info.compute == np.float64:  # the oracle's own error: order unknown
+        return statistical(p, x, ref)
+    K = p.derived["K"]
+    u = float(np.finfo(p.info.compute).eps) / 2
+    a3, bt = _operands3(p, x)
+    M, N = a3.shape[1], bt.shape[1]
+    nb = -(-K // KB1)  # KB1 blocks, the last one possibly short
+    ng = -(-nb // KB2)  # second-level sums
+    kpad = nb * KB1
+    in_block = (np.arange(kpad) < K).reshape(nb, KB1)
+    in_block[:, 0] = False  # the first running value of a block is 0 + p: only p rounds
+    in_group = (np.arange(ng * KB2) < nb).reshape(ng, KB2)
+    in_group[:, 0] = False
+    var = np.empty((a3.shape[0], M, N))
+    rows = max(1, STAT_CHUNK // max(1, kpad * N))
+    with np.errstate(all="ignore"):
+        for z in range(a3.shape[0]):
+            for i0 in range(0, M, rows):
+                prod = np.zeros((min(rows, M - i0), N, kpad))
+                np.multiply(a3[z, i0:i0 + rows, None, :], bt[z, None, :, :],
+                            out=prod[..., :K])  # exact products p_k; zeros past K
+                v = _half_ulp2(prod, u).sum(axis=2)  # the products (unless fused)
+                s = np.cumsum(prod.reshape(prod.shape[:2] + (nb, KB1)), axis=3)
+                v += _half_ulp2(s, u, in_block).sum(axis=(2, 3))  # in each block
+                blocks = np.zeros(s.shape[:2] + (ng * KB2,))
+                blocks[..., :nb] = s[..., -1]  # block sums
+                g = np.cumsum(blocks.reshape(blocks.shape[:2] + (ng, KB2)), axis=3)
+                v += _half_ulp2(g, u, in_group).sum(axis=(2, 3))  # second-level sums
+                t = np.cumsum(g[..., -1], axis=2)  # the total, second-level sum by sum
+                v += _half_ulp2(t[..., 1:], u).sum(axis=2)
+                var[z, i0:i0 + rows] = v
+        sigma2 = var.reshape(ref.shape)
+        if p.info.storage != p.info.compute:  # the store rounds to fp16/bf16
+            sigma2 = sigma2 + (p.info.unit_roundoff * ref) ** 2
+    return StatModel(np.sqrt(sigma2), _floor(p))
 
 
 def config_check(p: Problem | None, cfg: Mapping[str, int]) -> str | None:
@@ -220,7 +309,7 @@ TUNABLES = (
 
 
 # --- test cases: shapes and values that break kernels and numerics (suite, `check`) ---
-LONG_K = (4096, 16384)  # reductions long enough to tell fp32 from TF32/bf16 inputs (verify)
+LONG_K = (4096, 16384)  # long reductions: where TF32/bf16 inputs show (statistical check)
 MATMUL_VALUES = ("normal", "normal", "positive", "integer", "offset", "nonfinite")
 
 
@@ -307,6 +396,7 @@ SPEC = KernelSpec(
     cost=cost,
     tolerance=tolerance,
     statistical=statistical,
+    statistical_ordered=statistical_ordered,
     tunables=TUNABLES,
     schedules={
         "gpu": {"TM": 4, "TN": 4, "LX": 16, "LY": 16, "TK": 16, "USE_LOCAL": 1, "VEC": 1,
