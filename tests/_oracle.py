@@ -12,7 +12,7 @@ import portakern as pk
 from portakern.core.sampling import Case, Chooser
 from portakern.ops import get_op
 from portakern.runtime import selection
-from portakern.runtime.verify import Verdict, compare_arrays
+from portakern.runtime.verify import Verdict, compare_arrays, own_kernel
 from portakern.tools.cases import CASES
 
 
@@ -41,17 +41,20 @@ def run_case(op: str, target: str, case: Case) -> Any:
     return pk.call(spec, backend=target, **{k: v for k, v in case.arrays.items()}, **case.params)
 
 
-def compare_case(spec: Any, case: Case, got: Any) -> Verdict:
+def compare_case(spec: Any, case: Case, got: Any, target: Any = None) -> Verdict:
     """Both checks (worst-case bound, statistical) through portakern.verify: the code path
-    of pk.verify and `portakern check`."""
+    of pk.verify and `portakern check`. ``target`` (a label or backend) computed ``got``: a
+    C-kernel one's results are judged by the op's model of its kernel's summation order
+    (``statistical_ordered``), any other's by the order-free model."""
     arrays, params = spec.bind((), dict(case.arrays) | case.params)
-    return compare_arrays(spec, arrays, params, got)
+    be = selection.get(target) if isinstance(target, str) else target
+    return compare_arrays(spec, arrays, params, got, ordered=own_kernel(be))
 
 
 def check_case(op: str, target: str, case: Case) -> None:
     got = run_case(op, target, case)
     assert isinstance(got, np.ndarray), f"numpy in must give numpy out; got {type(got)}"
-    v = compare_case(get_op(op), case, got)
+    v = compare_case(get_op(op), case, got, target)
     assert v.ok, f"{op} on {target}: case {case.describe()}\n{v}"
 
 

@@ -3,7 +3,9 @@
 What a user runs on a new device or driver: every registered op x dtype on every available
 target, random edge-case shapes and values (portakern.tools.cases), each compared with the float64
 oracle through portakern.verify (the code path of pk.verify and the test suite): the op's
-worst-case bound and, for ops with a probabilistic error model, its statistical check. An op
+worst-case bound and, for ops with a probabilistic error model, its statistical check (on a
+C-kernel backend with the op's model of its own kernel's summation order where it has one,
+``statistical_ordered``; elsewhere the order-free ``statistical``). An op
 with several outputs is judged on each (its verdict names the output), int32 outputs exactly.
 Prints op x backend x dtype with pass/fail and both ratios (worst |err|/bound over every
 element of every case; the largest statistic T/tau of any case; <= 1 passes), writes a
@@ -78,7 +80,7 @@ def run_check(target: str, op: str, dtype: str, examples: int | None, seed: int
         ch = SimulatorChooser(ch)
     if examples is None:
         examples = SIMULATOR_EXAMPLES if simulator else DEFAULT_EXAMPLES
-    from ..runtime.verify import compare_arrays
+    from ..runtime.verify import compare_arrays, own_kernel
 
     worst, worst_case, t0 = 0.0, "", time.perf_counter()
     stat: float | None = None
@@ -91,7 +93,7 @@ def run_check(target: str, op: str, dtype: str, examples: int | None, seed: int
             return {"status": "FAIL", "why": f"{type(exc).__name__}: {exc}"[:2000],
                     "case": case.describe()}
         arrays, params = spec.bind((), dict(case.arrays) | case.params)
-        v = compare_arrays(spec, arrays, params, got)
+        v = compare_arrays(spec, arrays, params, got, ordered=own_kernel(be))
         if v.worst_ratio >= worst:
             worst, worst_case = v.worst_ratio, f"{case.describe()} {v.where}"
         if v.stat_ratio is not None and (stat is None or v.stat_ratio >= stat):

@@ -4,6 +4,9 @@ What the statistical check must do (issue 14): in float32 at K = 4096 and 16384,
 from TF32-rounded inputs, bf16-rounded inputs, a dropped K term and fp16 accumulation — all of
 which the worst-case bound lets through — and never fire on correct results (the float64
 result rounded, numpy/OpenBLAS, every backend) on normal, all-positive and +-1e4-offset data.
+pk.verify uses the order-free model (any summation order): it cannot see TF32 on data without
+cancellation. The ordered model of matmul.c's own order (issue 26: the suite and `portakern
+check` on C-kernel backends) and its power: tests/runtime/test_statistical_power.py.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import numpy as np
 import pytest
 
 import portakern as pk
+from portakern.ops import get_op
 from portakern.ops.matmul import matmul_values
-from portakern.runtime.verify import ALPHA, Verdict, tau
+from portakern.runtime import selection
+from portakern.runtime.verify import ALPHA, Verdict, compare_arrays, own_kernel, tau
 
 LONG = (4096, 16384)
-M, N = 4, 24  # 96 independent elements: tau(96) = 2.1
+M, N = 4, 24  # 96 independent elements: tau(96) = 2.24
 
 
 def _tf32(x: np.ndarray) -> np.ndarray:
@@ -79,7 +84,9 @@ def test_statistical_check_catches_what_the_bound_lets_through(k: int, kind: str
 def test_structured_data_bf16_dropped_term_fp16_caught(k: int, kind: str) -> None:
     """All-positive and same-sign-offset data have no cancellation, so a correct *sequential*
     fp32 sum errs about as much as TF32 input rounding (documented in matmul.py): no check that
-    admits sequential summation can tell those two apart. The other three are caught."""
+    admits sequential summation, as pk.verify's order-free model must, can tell those two
+    apart (the ordered model of matmul.c's own order can: test_statistical_power.py). The
+    other three are caught."""
     a, b = _operands(kind, k)
     for name, bad in _bad_results(a, b).items():
         if name == "tf32 inputs":
@@ -107,9 +114,26 @@ def test_correct_host_results_pass(k: int, kind: str) -> None:
 @pytest.mark.parametrize("k", LONG)
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_every_backend_passes_both_checks(target: str, k: int, kind: str) -> None:
+    """pk.verify (order-free) on every backend; a C-kernel backend's result also under the
+    ordered model, as the suite and `portakern check` judge it."""
     a, b = _operands(kind, k, seed=2)
-    v = pk.verify("matmul", a, b, got=pk.matmul(a, b, backend=target))
+    got = pk.matmul(a, b, backend=target)
+    v = pk.verify("matmul", a, b, got=got)
     assert v.ok and v.stat_ratio is not None, f"{target} at K={k} ({kind}): {v}"
+    be = selection.get(target)
+    if own_kernel(be):
+        v = compare_arrays(get_op("matmul"), {"a": a, "b": b}, {}, got, ordered=True)
+        assert v.ok and v.stat_ratio is not None and v.stat_ratio < 0.5, (
+            f"{target} at K={k} ({kind}), ordered model: {v}")
+        assert "kernel-order model" in v.checks[-1].detail
+
+
+def test_own_kernel_means_a_c_kernel_backend(target: str) -> None:
+    """The suite's and `portakern check`'s choice of model: the ordered one for a backend
+    that compiles the spec's C source, the order-free one for numpy and jax (they evaluate
+    the semantics in their library's order)."""
+    be = selection.get(target)
+    assert own_kernel(be) == (type(be).dialect is not None)
 
 
 # --- the verdict ------------------------------------------------------------------------
@@ -163,15 +187,19 @@ def test_other_ops_have_both_checks(target: str, op: str, args: list, params: di
 
 def test_the_model_is_the_specs_statistical_field() -> None:
     """Issue 15: an op's model is its KernelSpec's ``statistical``, looked up by no name, so a
-    renamed copy computing the same thing keeps it."""
-    from portakern.ops import attention, get_op, matmul, rmsnorm, softmax
+    renamed copy computing the same thing keeps it. Issue 26: ``ordered`` picks
+    ``statistical_ordered`` where the op has one (matmul), else ``statistical``."""
+    from portakern.ops import attention, matmul, rmsnorm, softmax
     from portakern.runtime.verify import statistical_model
 
     for mod in (matmul, softmax, attention, rmsnorm):
         assert mod.SPEC.statistical is mod.statistical
         assert statistical_model(get_op(mod.SPEC.name)) is mod.statistical
+        ordered = getattr(mod, "statistical_ordered", mod.statistical)
+        assert statistical_model(get_op(mod.SPEC.name), ordered=True) is ordered
     copy = get_op("matmul").replace(name="my_matmul", doc="renamed")
     assert statistical_model(copy) is matmul.statistical
+    assert statistical_model(copy, ordered=True) is matmul.statistical_ordered
     rng = np.random.default_rng(5)
     a = rng.standard_normal((8, 512)).astype(np.float32)
     b = rng.standard_normal((512, 16)).astype(np.float32)
@@ -187,12 +215,19 @@ def test_a_copy_with_other_semantics_loses_the_model() -> None:
     """matmul's model describes matmul's rounding errors: a copy given other semantics is
     judged by its tolerance alone (the old name+semantics check's guard), unless it gives a
     model of its own; a user op without one gets the worst-case check only."""
-    from portakern.ops import get_op, matmul
+    from portakern.ops import matmul
     from portakern.runtime.verify import statistical_model
 
     mm = get_op("matmul")
     other = mm.replace(name="matmul_plus_one", semantics=_plus_one)
     assert other.statistical is None and statistical_model(other) is None
+    assert other.statistical_ordered is None and statistical_model(other, ordered=True) is None
+    # other source: another summation order, so the ordered model goes; the order-free stays
+    resourced = mm.replace(name="matmul_v2", source=mm.source.replace("KB1 512", "KB1 256"))
+    assert resourced.statistical is matmul.statistical
+    assert resourced.statistical_ordered is None
+    assert statistical_model(resourced, ordered=True) is matmul.statistical
+    assert mm.replace(source=mm.source).statistical_ordered is matmul.statistical_ordered
     rng = np.random.default_rng(6)
     a = rng.standard_normal((8, 512)).astype(np.float32)
     b = rng.standard_normal((512, 16)).astype(np.float32)
@@ -207,6 +242,18 @@ def test_a_copy_with_other_semantics_loses_the_model() -> None:
     assert pk.verify(own, a, b, got=got).stat_ratio is not None
     user = get_op("softmax").replace(name="softmax_copy", semantics=lambda xp, x, axis=-1: x)
     assert statistical_model(user) is None
+
+
+def _sigma_of_wrong_shape(p: pk.Problem, x: dict, ref: np.ndarray) -> pk.StatModel:
+    return pk.StatModel(np.ones(ref.shape[-1] + 1))
+
+
+def test_a_malformed_ordered_model_is_refused() -> None:
+    from _oracle import assert_spec_refused
+
+    bad = get_op("matmul").replace(name="matmul_bad_model",
+                                   statistical_ordered=_sigma_of_wrong_shape)
+    assert_spec_refused(bad, "statistical_ordered", ["does not broadcast"])
 
 
 def test_threshold_false_alarm_probability() -> None:
