@@ -48,7 +48,7 @@ def test_every_schedule_matches_oracle(op: str, schedule: str, kernel_target: st
     spec = get_op(op)
     case = draw_case(op, data, "float32")
     got = pk.call(spec, backend=be, config=spec.config(schedule), **case.arrays, **case.params)
-    v = compare_case(spec, case, got)
+    v = compare_case(spec, case, got, be)
     assert v.ok, f"{op}/{schedule} on {kernel_target}: {case.describe()}\n{v}"
 
 
@@ -92,7 +92,7 @@ def test_alternative_configs_match_oracle(op: str, overlay: dict[str, int], kern
     config = {**spec.schedules[be.device_class], **overlay}
     case = draw_case(op, data, "float32")
     got = pk.call(spec, backend=be, config=config, **case.arrays, **case.params)
-    v = compare_case(spec, case, got)
+    v = compare_case(spec, case, got, be)
     assert v.ok, f"{op} with {config} on {kernel_target}: {case.describe()}\n{v}"
 
 
