@@ -18,7 +18,9 @@
  * in sn, so q is inf or NaN, and q - q (0 for finite q, NaN otherwise: fast-math is off, so the
  * compiler may not fold it) poisons inv.
  */
-#define RBLK 256 /* terms per item per block partial sum */
+#define RBLK 256 /* terms (vectors on the vector path) per item per block partial sum */
+#define PK_MASK_float int   /* the lane mask type isgreater gives for a vector of ... */
+#define PK_MASK_double long
 
 PK_KERNEL void rmsnorm(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL const PK_T_T* PK_RESTRICT W,
                        PK_GLOBAL PK_T_T* PK_RESTRICT Y, int n, PK_ACC_T eps, PK_ACC_T big,
@@ -32,7 +34,41 @@ PK_KERNEL void rmsnorm(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL const PK
      * running sums, so a 10^6-element row's sum errs by ~1e-7 relative, not ~1e-5. */
     PK_ACC_T sn = (PK_ACC_T)0; /* sum of x^2 over |x| <= big */
     PK_ACC_T sb = (PK_ACC_T)0; /* sum of (x * down)^2 over |x| > big */
-    for (int j0 = lid; j0 < n; j0 += WG * RBLK) {
+    int j_first = lid; /* the scalar loops start here: after the vectors, or at the row's start */
+#if VEC > 1 && PK_HAS_VECTOR && PK_PLAIN_T
+    /* CPU schedule: VEC-lane vectors (a compiler vectorizes neither the branch below nor, on
+     * PoCL, a loop across work-items with barriers after it), item lid taking vectors lid,
+     * lid + WG, ...; Blue's split by a lane mask (select), so each lane sums as the scalar
+     * loop would. The vectors' lanes and the scalar tail are added at the end. */
+    typedef PK_CAT(PK_ACC_T, VEC) rvt;
+    const PK_GLOBAL PK_T_T* xr = X + base;
+    const int nv = n / VEC;
+    rvt vn = (rvt)(0), vb = (rvt)(0);
+    for (int b0 = lid; b0 < nv; b0 += WG * RBLK) {
+        const int bend = min(b0 + WG * RBLK, nv);
+        rvt pn = (rvt)(0), pb = (rvt)(0);
+        for (int bi = b0; bi < bend; bi += WG) {
+            const rvt x = PK_CAT(vload, VEC)(bi, xr);
+            const rvt t = x * (rvt)(down);
+            const PK_CAT(PK_CAT(PK_MASK_, PK_ACC_T), VEC) large = isgreater(fabs(x), (rvt)(big));
+            pn += select(x * x, (rvt)(0), large);
+            pb += select((rvt)(0), t * t, large);
+        }
+        vn += pn;
+        vb += pb;
+    }
+    {
+        PK_ACC_T ln_[VEC], lb_[VEC];
+        PK_CAT(vstore, VEC)(vn, 0, ln_);
+        PK_CAT(vstore, VEC)(vb, 0, lb_);
+        for (int l = 0; l < VEC; ++l) {
+            sn += ln_[l];
+            sb += lb_[l];
+        }
+    }
+    j_first = nv * VEC + lid;
+#endif
+    for (int j0 = j_first; j0 < n; j0 += WG * RBLK) {
         const int jend = min(j0 + WG * RBLK, n);
         PK_ACC_T pn = (PK_ACC_T)0, pb = (PK_ACC_T)0;
         for (int j = j0; j < jend; j += WG) {
@@ -76,7 +112,18 @@ PK_KERNEL void rmsnorm(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL const PK
     }
     const PK_ACC_T inv = (PK_ACC_T)1 / sqrt(q) + (q - q);
 
-    for (int j = lid; j < n; j += WG) {
+    int jo = lid;
+#if VEC > 1 && PK_HAS_VECTOR && PK_PLAIN_T
+    {
+        PK_GLOBAL PK_T_T* yr = Y + base;
+        for (int bi = lid; bi < nv; bi += WG) {
+            const rvt x = PK_CAT(vload, VEC)(bi, xr);
+            PK_CAT(vstore, VEC)((x * (rvt)(pre)) * (rvt)(inv) * PK_CAT(vload, VEC)(bi, W), bi, yr);
+        }
+        jo = nv * VEC + lid;
+    }
+#endif
+    for (int j = jo; j < n; j += WG) {
         const PK_ACC_T x = PK_LOAD_T(X, base + j);
         PK_STORE_T(Y, base + j, (x * pre) * inv * PK_LOAD_T(W, j));
     }

@@ -249,12 +249,16 @@ SPEC = KernelSpec(
     tolerance=tolerance,
     statistical=statistical,
     tunables=(Tunable("WG", (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-                      "work-items per row (a power of two: tree reduction)"),),
-    # CPU (PoCL): few items per row, each streaming a long stretch; measured on a 2-core EPYC,
-    # WG=4 is within 10% of the best of 1..64 for 4096x4096, 16384x1024 and 64x4096 (WG=16:
-    # 25-40% slower on the large ones). GPU: 256 items per row, so a 4096-wide row is 16
-    # coalesced loads per item and the tree has 8 levels.
-    schedules={"gpu": {"WG": 256}, "cpu": {"WG": 4}},
+                      "work-items per row (a power of two: tree reduction)"),
+              Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes per load (OpenCL, float32 and "
+                      "float64 storage; 1 elsewhere: the scalar loop)")),
+    # CPU: one item per row, reading it in 8-lane vectors (the scalar loop's branch, Blue's
+    # split, keeps PoCL's and Intel's vectorizers off it). Measured side by side on a 2-core
+    # Xeon, PoCL / Intel: 64x4096 101 / 45 us (WG=4 scalar: 546 / 312), 4096x4096 14 / 16 ms
+    # (44 / 52), 16384x1024 12 / 16 ms (58 / 59); WG=4 with vectors is 1.3-3x slower. GPU:
+    # 256 items per row, so a 4096-wide row is 16 coalesced loads per item and the tree has
+    # 8 levels.
+    schedules={"gpu": {"WG": 256, "VEC": 1}, "cpu": {"WG": 1, "VEC": 8}},
     example=example,
     cases=cases,
     doc="Fused RMSNorm with a weight over the last axis; fp32 accumulation for fp16/bf16.",
