@@ -1364,7 +1364,7 @@ def test_compare_hogged_gives_the_difference_per_peer() -> None:
     text = "\n".join(report.hog_lines(res["hog"]))
     assert "Within 10% of the quiet ratio: 1 of 2" in text
     assert "| attention | B1 H8 S4096 D64 causal | opencl:0 | PyTorch (CPU) (best) | 1.29 " in text
-    assert "+4.7% | yes |" in text and "-19.2% | **no** |" in text
+    assert "+4.7% | yes | 2% | 3% | 50% |" in text and "-19.2% | **no** |" in text
 
 
 def test_the_stability_plot_is_written_with_the_run_plots(tmp_path: Path) -> None:

@@ -342,7 +342,7 @@ def plot_stability(comparison: Sequence[Mapping[str, Any]], out_dir: Path, title
     comp = list(comparison)
     labels = [f"{c['op']} {c['label']}\n{c['name']}" + (" (best)" if c.get("best_peer") else "")
               for c in comp]
-    fig, axes = _figure(2, width=max(9.0, 0.95 * len(comp) + 3), height=3.9)
+    fig, axes = _figure(2, width=max(9.0, 0.8 * len(comp) + 3), height=4.6)
     ax, bx = axes
     x = np.arange(len(comp))
     w = 0.38
@@ -362,8 +362,6 @@ def plot_stability(comparison: Sequence[Mapping[str, Any]], out_dir: Path, title
                         label="quiet ±10%" if i == 0 else None)
     ax.set_yscale("log")
     ax.set_ylabel("ratio = peer time / ours (log)")
-    ax.set_xticks(x)
-    ax.set_xticklabels(labels, fontsize=7)
     ax.legend(fontsize=7, loc="best")
     ax.grid(True, axis="y", alpha=0.3, which="both")
     ax.set_title("ratio stability: quiet vs a CPU hog" + (f" — {title}" if title else ""),
@@ -379,8 +377,13 @@ def plot_stability(comparison: Sequence[Mapping[str, Any]], out_dir: Path, title
     bx.axhline(0, color="black", linewidth=0.6)
     n_ok = sum(1 for c in comp if c.get("within_10pct"))
     bx.set_ylabel("hogged / quiet − 1 (%)")
-    bx.set_xticks(x)
-    bx.set_xticklabels(labels, fontsize=7)
+    for a in (ax, bx):
+        a.set_xticks(x)
+        a.set_xticklabels(labels, fontsize=6.5, rotation=35, ha="right")
+        a.set_xlim(-0.6, len(comp) - 0.4)
+        for i in range(1, len(comp)):  # a line between cases
+            if comp[i]["id"] != comp[i - 1]["id"] or comp[i]["target"] != comp[i - 1]["target"]:
+                a.axvline(i - 0.5, color="grey", linewidth=0.6, alpha=0.6)
     bx.legend(fontsize=7, loc="best")
     bx.grid(True, axis="y", alpha=0.3)
     bx.set_title(f"difference from the quiet ratio: {n_ok} of {len(comp)} within ±10%",

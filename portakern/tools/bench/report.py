@@ -470,16 +470,20 @@ def hog_lines(hog: Mapping[str, Any] | None) -> list[str]:
             "best_peer") else ""), f"{fmt_num(q['median'], 3)}{spread_text(q)}",
             f"{fmt_num(h['median'], 3)}{spread_text(h)}",
             "—" if d is None else f"{d:+.1f}%", "yes" if c.get("within_10pct") else "**no**",
-            "—" if c.get("quiet_other_share") is None else
-            f"{100 * c['quiet_other_share']:.0f}%",
-            "—" if c.get("hog_share") is None else f"{100 * c['hog_share']:.0f}%"])
+            _share(c.get("quiet_other_share")), _share(c.get("hogged_other_share")),
+            _share(c.get("hog_share"))])
     n_ok = sum(1 for c in hog.get("comparison") or [] if c.get("within_10pct"))
     return ["", f"Load stability (`--hog`): every case measured quiet, then with a busy loop "
             f"pinned to core {hog.get('core')}; each ratio (peer / ours, median of the "
             f"per-round ratios [IQR]) quiet and hogged. Within 10% of the quiet ratio: "
             f"{n_ok} of {len(rows)}.", "",
             md_table(["op", "size", "target", "ratio of", "quiet", "hogged", "difference",
-                      "within 10%", "others' CPU (quiet)", "hog's CPU share"], rows)]
+                      "within 10%", "others' CPU: quiet", "others' CPU: hogged",
+                      "hog's CPU share"], rows)]
+
+
+def _share(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.0f}%"
 
 
 def _us_spread(m: Mapping[str, float]) -> str:
