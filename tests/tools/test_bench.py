@@ -1146,16 +1146,17 @@ def test_a_failing_implementation_leaves_the_rounds_and_the_anchor_ends_them() -
 def test_a_short_call_is_rewarmed_before_each_timed_sample() -> None:
     m = LoadedMachine([])
     cfg = timing.TimingConfig(min_time=0.0, min_reps=4, max_reps=4, budget_s=1e6,
-                              warmup_reps=1, rewarm_below_s=0.05)
+                              warmup_reps=1, rewarm_below_s=0.05, rewarm_s=0.025)
     fast = timing.prepare(m.impl("fast", 0.01), lambda: None, cfg, clock=m.clock)
     slow = timing.prepare(m.impl("slow", 0.2), lambda: None, cfg, clock=m.clock)
     m.log.clear()
     timing.run_rounds({"fast": fast, "slow": slow}, cfg, begin=0.0, clock=m.clock)
-    # fast: one untimed call right before each of its 4 timed ones; slow: none
-    assert m.log.count("fast") == 8 and m.log.count("slow") == 4
-    assert fast.m.samples == [pytest.approx(0.01)] * 4  # the untimed call is not in a sample
+    # fast: untimed calls for >= 25 ms (three of 10 ms) before each of its 4 timed ones;
+    # slow: none
+    assert m.log.count("fast") == 4 * (3 + 1) and m.log.count("slow") == 4
+    assert fast.m.samples == [pytest.approx(0.01)] * 4  # untimed calls are not in a sample
     fast.close()
-    assert fast.m.info["untimed_calls_before_samples"] == 4
+    assert fast.m.info["untimed_calls_before_samples"] == 12
     # measure() (one implementation, back to back) never rewarms
     m.log.clear()
     timing.measure(m.impl("alone", 0.01), lambda: None, cfg, clock=m.clock)

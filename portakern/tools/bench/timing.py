@@ -20,9 +20,15 @@ samples *each on average*, never more than ``max_reps`` rounds, within ``budget_
 implementation. Why: on a shared machine a burst of load that lands while one side is sampled
 would change a ratio of two medians taken one after the other; in rounds it lands on both
 sides of the round it hits, and the median of the per-round ratios ignores it. An
-implementation whose calls are short (``rewarm_below_s``) is called once, untimed, right
-before each of its timed calls, so its thread pool and caches are as warm as in back-to-back
-samples: each sample is still exactly one synchronised call that followed a call of its own.
+implementation whose calls are short (``rewarm_below_s``) is first called untimed for at
+least ``rewarm_s`` (at least once) right before each of its timed calls, so its thread pool
+and caches are as warm as in back-to-back samples: each sample is still exactly one
+synchronised call that followed calls of its own. Why a time, not one call: on a 2-core
+machine every implementation's threads (PoCL's and Intel's workers, torch's OpenMP pool) spin
+a while after a call and sleep after that; one untimed call right after another pool's was
+measured to leave both sides ~2-4x slower than back to back (rmsnorm 64x4096: ours 168-175
+us and torch 109-190 us interleaved call by call, against 44-93 and 60-73 back to back), and
+only ~10 ms of calls of its own brought Intel's runtime back to its back-to-back time.
 """
 
 from __future__ import annotations
@@ -48,10 +54,12 @@ class TimingConfig:
     budget_s: float = 25.0  # wall-clock box for first call + warm-up + samples
     warmup_reps: int = 1  # untimed calls after the first one, when cheap (see below)
     warmup_below_s: float = 1.0  # extra warm-up only if the first call took less than this
-    # in interleaved rounds, a call shorter than this is preceded by one untimed call of its
-    # own (thread pools asleep and caches cold after another implementation's call would
-    # otherwise be charged to it; a longer call does not notice)
+    # in interleaved rounds, a call shorter than this is preceded by untimed calls of its own
+    # for at least rewarm_s (thread pools asleep or still spinning for another
+    # implementation, and caches cold, would otherwise be charged to it; a longer call does
+    # not notice)
     rewarm_below_s: float = 0.05
+    rewarm_s: float = 0.01
 
     def __post_init__(self) -> None:
         problems = []
@@ -67,6 +75,8 @@ class TimingConfig:
             problems.append(f"warmup_reps={self.warmup_reps!r} (expected >= 0)")
         if not self.rewarm_below_s >= 0:
             problems.append(f"rewarm_below_s={self.rewarm_below_s!r} (expected >= 0)")
+        if not self.rewarm_s >= 0:
+            problems.append(f"rewarm_s={self.rewarm_s!r} (expected >= 0)")
         if problems:
             raise ValueError("invalid TimingConfig: " + ", ".join(problems)
                              + ". Fix the --min-time/--budget options or the suite table.")
@@ -205,9 +215,13 @@ class Prepared(Sampler):
         fn, sync, clock = self.fn, self.sync, self.clock
         with self.scope():
             if self.rewarm and self.typical < self.cfg.rewarm_below_s:
-                fn()  # untimed: this call's own state, as a back-to-back sample has it
-                sync()
-                self.rewarms += 1
+                until = clock() + self.cfg.rewarm_s
+                while True:  # untimed: this call's own state, as back-to-back samples have it
+                    fn()
+                    sync()
+                    self.rewarms += 1
+                    if clock() >= until:
+                        break
             t = clock()
             fn()
             sync()
