@@ -154,11 +154,13 @@ def dispatch(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
             got = runner(args, kwargs, out)
             if got is not _SLOW:
                 return got
-        if plan.follows_inputs:  # chosen by the inputs' device: are they still there?
-            be = selection.resolve(None, args)
-            if be is not plan.backend:  # elsewhere: that device's own plan (its own key)
-                return dispatch(spec, args, kwargs, be, config, out)
-        res = execute.run(plan, _arrays(spec, args, kwargs), out)
+        if plan.follows_inputs and selection.resolve(None, args) is not plan.backend:
+            # chosen by where the inputs lived, and now they live elsewhere: a plan for that
+            # device replaces this one under the key, so the calls that follow are fast again
+            plan, arrays = _planned(spec, args, kwargs, backend, config, key)
+            res = execute.run(plan, arrays, out)
+        else:
+            res = execute.run(plan, _arrays(spec, args, kwargs), out)
     else:
         plan, arrays = _planned(spec, args, kwargs, backend, config, key)
         res = execute.run(plan, arrays, out)

@@ -114,6 +114,12 @@ def test_automatic_selection_follows_the_arrays_device() -> None:
         got = pk.softmax(x, axis=-1)
         assert got.context == be.ctx, (label, "ran on another device")
         np.testing.assert_allclose(got.get(), want, rtol=1e-5, atol=1e-7)
+        # the automatic key's plan is now this device's: the next call takes its runner
+        from portakern.ops import get_op
+        from portakern.runtime.plan import PLANS, plan_key
+
+        plan = PLANS.lookup(plan_key(get_op("softmax"), (x,), {"axis": -1}))
+        assert plan is not None and plan.backend is be and plan.follows_inputs
 
 
 def test_half_path_on_a_device_with_fp16_arithmetic() -> None:
