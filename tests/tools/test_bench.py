@@ -424,6 +424,163 @@ def test_newer_measurement_of_a_platform_wins(tmp_path: Path) -> None:
     assert merged.notes
 
 
+# --- issue 27: the implementations on the same silicon ------------------------------------------
+CPU_TARGETS = {"opencl:0": ("opencl", "pocl"), "opencl:1": ("opencl", "intel"),
+               "jax:0": ("jax", None), "jax:pallas_0": ("jax", None)}
+
+
+def _impl_rec(target: str, op: str, label: str, ours: float | str,
+              peers: dict[str, float | str], bound: float = 0.5) -> dict[str, Any]:
+    """One case on one target of the CPU 'cpu @ vm': ours a median or a status, each peer a
+    median or a status."""
+    ours_m = ({"status": "ok", "median_s": ours, "q1_s": ours, "q3_s": ours, "reps": 5}
+              if isinstance(ours, float) else {"status": ours, "reason": "why"})
+    pm = {k: ({"status": "ok", "median_s": v, "name": k} if isinstance(v, float)
+              else {"status": v, "reason": f"{k} does not do this", "name": k})
+          for k, v in peers.items()}
+    return {"id": f"{op}/float32/{label}", "op": op, "dtype": "float32", "label": label,
+            "target": target, "platform": f"{target} · cpu @ vm", "device_key": "cpu @ vm",
+            "cost": {"flops": 1e9, "bytes": 1e8}, "ours": ours_m, "peers": pm,
+            "supported": isinstance(ours, float), "roofline": {"bound_s": bound},
+            "achieved": {"ours": {"pct_roofline": 100 * bound / ours}}
+            if isinstance(ours, float) else {}}
+
+
+def _impl_result() -> dict[str, Any]:
+    """PoCL and Intel's OpenCL, jax:0 and jax:pallas_0 on one CPU, with numpy and torch peers:
+    matmul N=256 everywhere; N=512 without a numpy peer (unavailable); softmax that Intel
+    cannot run."""
+    cases = []
+    for t, ours, numpy in (("opencl:0", 2.0, 2.5), ("opencl:1", 1.0, 2.0),
+                           ("jax:0", 4.0, 3.0), ("jax:pallas_0", 8.0, 3.0)):
+        cases.append(_impl_rec(t, "matmul", "N=256", ours, {"numpy": numpy, "torch": 1.6}))
+    for t, ours in (("opencl:0", 1.0), ("opencl:1", 1.0), ("jax:0", 3.0),
+                    ("jax:pallas_0", 2.0)):
+        cases.append(_impl_rec(t, "matmul", "N=512", ours,
+                               {"numpy": "unavailable", "torch": 0.5}))
+    for t, ours2 in (("opencl:0", 1.0), ("opencl:1", "unsupported"), ("jax:0", 2.0),
+                     ("jax:pallas_0", 4.0)):
+        cases.append(_impl_rec(t, "softmax", "64x64", ours2, {"numpy": 4.0, "torch": 2.0}))
+    res = _result("vm", "opencl:0", "2025-01-01T00:00:00", cases)
+    res["targets"] = {
+        t: {"backend": b, "platform": f"{t} · cpu @ vm", "device_key": "cpu @ vm",
+            "device": {"name": "cpu", "kind": "cpu", "extra": {"alias": a} if a else {}},
+            "roofline": {"status": "ok", "copy_gbs": 10.0, "fma_gflops": {"float32": 100.0}},
+            "roofline_effective": {"status": "ok", "copy_gbs": 20.0,
+                                   "fma_gflops": {"float32": 200.0},
+                                   "sources": {"copy_gbs": "opencl:1",
+                                               "fma_gflops.float32": "opencl:0"}}}
+        for t, (b, a) in CPU_TARGETS.items()}
+    for r in res["cases"]:
+        r.pop("implementation", None)  # derived from the targets, as for older files
+    return res
+
+
+def test_a_target_is_labelled_with_its_implementation() -> None:
+    t = {"backend": "opencl", "device": {"extra": {"alias": "intel"}}}
+    assert metrics.implementation_of("opencl:1", t) == "opencl:intel"
+    assert metrics.implementation_of("jax:pallas_0", {"backend": "jax", "device": {}}) == "jax"
+    assert metrics.implementation_of("opencl:0", None) == "opencl"  # an older file
+    assert metrics.target_title("opencl:1", "opencl:intel") == "opencl:1 = opencl:intel"
+    assert metrics.target_title("jax:pallas_0", "jax") == "jax:pallas_0"
+    res = _impl_result()
+    md = report.run_markdown(res)
+    # the run table: one row per target and case, each OpenCL runtime named beside its index
+    assert "| matmul | float32 | N=256 | opencl:0 = opencl:pocl |" in md
+    assert "| matmul | float32 | N=256 | opencl:1 = opencl:intel |" in md
+    assert "| matmul | float32 | N=256 | jax:pallas_0 |" in md
+    assert "| opencl:1 = opencl:intel | cpu |" in md  # the targets table
+    assert "D1 opencl:1 = opencl:intel" in md  # PP over devices: side by side, one device
+
+
+def test_targets_of_one_cpu_share_one_roof() -> None:
+    """PoCL and Intel's runtime on one CPU are one piece of hardware: one key, one roof, the
+    best of each number over both implementations' probes."""
+    from portakern.backend.base import DeviceInfo
+    from portakern.tools.bench.runner import hardware_key
+
+    class Be:
+        def __init__(self, name: str, alias: str) -> None:
+            self.name = name
+            self.device = DeviceInfo(0, f"{alias} cpu", "cpu", extra={"alias": alias})
+
+    assert hardware_key(Be("opencl", "pocl")) == hardware_key(Be("opencl", "intel")) == "cpu"
+    roof = combine({"opencl:0": Roofline(copy_gbs=20.0, fma_gflops={"float32": 300.0}),
+                    "opencl:1": Roofline(copy_gbs=35.0, fma_gflops={"float32": 250.0})})
+    assert roof.copy_gbs == 35.0 and roof.fma_gflops["float32"] == 300.0
+    assert roof.sources == {"copy_gbs": "opencl:1", "fma_gflops.float32": "opencl:0"}
+
+
+def test_pp_over_the_implementations_on_one_cpu() -> None:
+    from portakern.tools.bench import implementations as impl
+
+    res = _impl_result()
+    metrics.attach_devices(res)
+    recs = res["cases"]
+    assert impl.members(recs, "cpu @ vm") == ["opencl:pocl", "opencl:intel", "jax", "numpy"]
+    cases = {c.key: c for c in impl.silicon_cases(recs, ["cpu @ vm"])}
+    mm = cases[("matmul", "float32", "N=256")]
+    # fastest on the device: Intel's 1.0 (torch 1.6; numpy at its fastest, 2.0)
+    assert mm.fastest == "opencl:intel" and mm.fastest_s == 1.0
+    eff = {n: m.efficiency for n, m in mm.members.items()}
+    assert eff == pytest.approx({"opencl:pocl": 0.5, "opencl:intel": 1.0, "jax": 0.25,
+                                 "numpy": 0.5})
+    assert mm.members["jax"].source == "jax:0"  # the faster of its two lowerings
+    assert mm.peers["torch"].efficiency == pytest.approx(1 / 1.6)
+    assert mm.pp_app is not None and mm.pp_app.value == pytest.approx(4 / (2 + 1 + 4 + 2))
+    # architectural: roofline time 0.5 s over each time
+    assert mm.pp_roof is not None and mm.pp_roof.value == pytest.approx(4 / (4 + 2 + 8 + 4))
+    # N=512: numpy's peer was unavailable: not measured, left out and named, not 0
+    m5 = cases[("matmul", "float32", "N=512")]
+    assert m5.not_measured == ["numpy"] and m5.fastest == "torch"
+    assert m5.members["jax"].source == "jax:pallas_0"
+    assert m5.pp_app is not None and m5.pp_app.value == pytest.approx(3 / (2 + 2 + 4))
+    # softmax: Intel's runtime cannot run it, so PP over the implementations is 0
+    sm = cases[("softmax", "float32", "64x64")]
+    assert sm.pp_app is not None and sm.pp_app.value == 0.0
+    assert sm.pp_app.unsupported == ("opencl:intel",)
+    assert sm.pp_roof is not None and sm.pp_roof.value == 0.0
+    # the table: one row per case, each implementation's time, efficiency and % roof, PP
+    text = "\n".join(report.silicon_tables(recs, ["cpu @ vm"], {"cpu @ vm": "D1"}))
+    assert ("| dtype | size | opencl:pocl (opencl:0) | opencl:intel (opencl:1) | "
+            "jax (jax:0, jax:pallas_0) | numpy (peer) | torch (peer) | fastest | "
+            "PP over H (vs fastest) | PP over H (roofline) |") in text
+    assert ("| float32 | N=256 | 2 s · eff 0.5 · 25% roof | 1 s · eff 1 · 50% roof | "
+            "4 s · eff 0.25 · 12% roof (jax:0) | 2 s · eff 0.5 · 25% roof | 1.6 s · eff 0.62 | "
+            "opencl:intel 1 s | 0.444 | 0.222 |") in text
+    assert "| float32 | N=512 |" in text and "0.375 (not measured: numpy)" in text
+    assert "cannot run (opencl:1: unsupported)" in text
+    assert "0 (cannot run: opencl:intel)" in text
+
+
+def test_the_implementations_view_is_in_the_run_and_the_report(tmp_path: Path) -> None:
+    from portakern.tools.bench.plots import plot_run
+    from portakern.tools.cli import main
+
+    res = _impl_result()
+    md = report.run_markdown(res)
+    assert "The portability gap between implementations on the same silicon" in md
+    assert "D1: {opencl:pocl, opencl:intel, jax, numpy}, one roof: 20 GB/s (from opencl:1)" in md
+    assert "### matmul on D1: implementations side by side" in md
+    files = plot_run(res, tmp_path / "plots")
+    png = tmp_path / "plots" / "implementations_float32.png"
+    assert png in files and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(res))
+    assert main(["report", str(p), "--out", str(tmp_path / "rep")]) == 0
+    text = (tmp_path / "rep" / "REPORT.md").read_text()
+    assert "## Implementations on the same silicon" in text
+    assert "| float32 | 64x64 |" in text and "0 (cannot run: opencl:intel)" in text
+    assert "opencl:1 = opencl:intel" in text.split("## Devices")[1].split("###")[0]
+    assert (tmp_path / "rep" / "plots" / "report_implementations_float32.png").exists()
+    # one implementation on a device: nothing to put side by side, no table and no plot
+    one = _result("h", "opencl:0", "2025", [_rec("h", "opencl:0", "matmul", "N=256",
+                                                 ours=2.0, peer=1.0)])
+    assert "implementations on the same silicon" not in report.run_markdown(one)
+    assert not any("implementations" in f.name for f in plot_run(one, tmp_path / "p1"))
+
+
 # --- derive: one record's efficiency and roofline ------------------------------------------------
 def test_derive_picks_best_peer_and_roofline() -> None:
     from portakern.tools.bench.runner import derive

@@ -243,7 +243,9 @@ def add_report_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         "report", help="merge bench result files from several machines into REPORT.md",
         description="Merge `portakern bench` result files (one per machine) into one report: "
                     "per op and size, each platform's efficiency and the performance "
-                    "portability across platforms, plus plots.")
+                    "portability across devices; per device, its implementations (e.g. PoCL "
+                    "and Intel's OpenCL on one CPU, jax, numpy) side by side with PP over "
+                    "them; plus plots.")
     p.add_argument("files", nargs="+", help="result JSON files (e.g. benchmarks/results/*.json)")
     p.add_argument("--out", default="benchmarks", help="directory for REPORT.md and plots/")
     p.add_argument("--no-plots", action="store_true", help="write no plots")

@@ -159,10 +159,38 @@ def device_key_of(target: Mapping[str, Any], host: str) -> str:
         + f" @ {host}"
 
 
+def implementation_of(label: str, target: Mapping[str, Any] | None) -> str:
+    """The implementation a target runs: its backend and its device's implementation alias
+    where the backend gives one (``opencl:pocl`` and ``opencl:intel``: two OpenCL runtimes on
+    one CPU, two implementations), else its backend alone (``jax`` for jax:0 and jax:pallas_0:
+    one library with two lowerings; ``cuda``). Data only: the alias is the backend's
+    ``device.extra["alias"]``, recorded in the result's targets."""
+    t = target or {}
+    if t.get("implementation"):
+        return str(t["implementation"])
+    backend = str(t.get("backend") or label.split(":", 1)[0])
+    alias = ((t.get("device") or {}).get("extra") or {}).get("alias")
+    return f"{backend}:{alias}" if alias else backend
+
+
+def target_title(label: str, implementation: str | None) -> str:
+    """'opencl:1 = opencl:intel': a target's selector with its implementation beside it where
+    the implementation says more than the backend's name (``jax:0`` stays ``jax:0``)."""
+    if not implementation or implementation == label or implementation == label.split(":")[0]:
+        return label
+    return f"{label} = {implementation}"
+
+
 def attach_devices(result: Mapping[str, Any]) -> None:
-    """Give every case record of a result its ``device_key`` (older files lack it)."""
+    """Give every case record of a result its ``device_key`` and ``implementation`` (older
+    files lack them)."""
     host = (result.get("environment") or {}).get("hostname", "?")
-    keys = {lab: device_key_of(t, host) for lab, t in (result.get("targets") or {}).items()}
-    for rec in result.get("cases", []):
+    targets = result.get("targets") or {}
+    keys = {lab: device_key_of(t, host) for lab, t in targets.items()}
+    impls = {lab: implementation_of(lab, t) for lab, t in targets.items()}
+    for rec in [*result.get("cases", []), *((result.get("hog") or {}).get("cases") or [])]:
         if not rec.get("device_key"):
             rec["device_key"] = keys.get(rec.get("target", ""), f"{rec.get('device')} @ {host}")
+        if not rec.get("implementation"):
+            lab = str(rec.get("target", "?"))
+            rec["implementation"] = impls.get(lab) or implementation_of(lab, None)

@@ -15,12 +15,18 @@ keeps a panel readable.
 a log scale centred on parity (green: faster than the best peer, red: slower), each cell
 annotated with the efficiency, the best target and its % of roof.
 
+``implementations_<dtype>.png``: the implementations on the same silicon (implementations.py),
+one panel per device with two or more: per case a group of bars, one per implementation of H
+(opencl:pocl, opencl:intel, jax, numpy), its efficiency against the fastest implementation
+or peer on the device (1 = the fastest), its % of roof written on it, a red cross where it
+cannot run; PP over H is a black bar across the group with its value above.
+
 ``ratio_stability.png`` (a ``--hog`` run): each ratio (peer / ours, the median of the
 per-round ratios with its IQR as a whisker) measured quiet and with a busy loop pinned to one
 core, side by side per case and peer, the band of ±10% around the quiet ratio shaded; below,
 the difference in percent with the ±10% goal marked.
 
-``bench`` writes all of them for its run; ``report`` the first two for the merged fleet.
+``bench`` writes all of them for its run; ``report`` all but the last for the merged fleet.
 """
 
 from __future__ import annotations
@@ -237,6 +243,83 @@ def plot_records(records: Sequence[Mapping[str, Any]], devices: Sequence[str],
         fig.savefig(path)
         written.append(path)
     written += plot_fleet(records, devices, device_names, out, title, prefix)
+    written += plot_implementations(records, devices, device_names, out, title, prefix)
+    return written
+
+
+IMPL_COLOURS = ("#1f77b4", "#9467bd", "#2ca02c", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+
+
+def plot_implementations(records: Sequence[Mapping[str, Any]], devices: Sequence[str],
+                         device_names: Mapping[str, str], out_dir: str | Path,
+                         title: str = "", prefix: str = "") -> list[Path]:
+    """``implementations_<dtype>.png``: per device with two or more implementations, the
+    efficiency of each per case (grouped bars) and PP over them (a black bar per group)."""
+    from .implementations import members, silicon_cases
+
+    out = Path(out_dir)
+    written = []
+    for dtype in sorted({r["dtype"] for r in records}):
+        recs = [r for r in records if r["dtype"] == dtype]
+        cases = silicon_cases(recs, devices)
+        devs = [d for d in devices if any(c.device == d for c in cases)]
+        if not devs:
+            continue
+        ncases = max(sum(1 for c in cases if c.device == d) for d in devs)
+        fig, axes = _figure(len(devs), width=max(9.0, 1.25 * ncases + 3), height=4.4)
+        for ax, d in zip(axes, devs):
+            h = members(recs, d)
+            cs = [c for c in cases if c.device == d]
+            n = len(h)
+            width = 0.8 / n
+            for si, name in enumerate(h):
+                colour = IMPL_COLOURS[si % len(IMPL_COLOURS)]
+                xs = [i - 0.4 + width * (si + 0.5) for i in range(len(cs))]
+                ys = [float(getattr(c.members.get(name), "efficiency", None) or 0.0)
+                      for c in cs]
+                ax.bar(xs, ys, width * 0.92, color=colour, label=name)
+                for x, y, c in zip(xs, ys, cs):
+                    m = c.members.get(name)
+                    if m is None or m.status == "not measured":
+                        ax.text(x, 0.01, "not\nmeasured", ha="center", va="bottom",
+                                fontsize=5.5, rotation=90)
+                    elif m.status != "ok":
+                        ax.plot([x], [0.02], marker="x", color="#d62728", markersize=8,
+                                mew=2)
+                        ax.text(x, 0.05, "cannot run", ha="center", va="bottom", fontsize=5.5,
+                                rotation=90, color="#d62728")
+                    else:
+                        pct = "" if m.roof is None else f"\n{100 * m.roof:.0f}%"
+                        ax.text(x, y, f"{y:.2g}{pct}", ha="center", va="bottom", fontsize=6,
+                                zorder=4, bbox={"facecolor": "white", "alpha": 0.7, "pad": 0.4,
+                                                "linewidth": 0})
+            for i, c in enumerate(cs):
+                pp = c.pp_app.value if c.pp_app is not None else None
+                if pp is None:
+                    continue
+                ax.hlines(pp, i - 0.45, i + 0.45, colors="black", linewidth=2.2,
+                          label="PP over H (vs fastest)" if i == 0 else None)
+                roof = c.pp_roof.value if c.pp_roof is not None else None
+                ax.text(i, 1.12, f"PP {pp:.2g}" + ("" if roof is None
+                                                   else f"\n(roofline {roof:.2g})"),
+                        ha="center", va="bottom", fontsize=7.5, fontweight="bold")
+            ax.set_xticks(range(len(cs)))
+            ax.set_xticklabels([f"{c.key[0]}\n{c.key[2]}\nfastest: {c.fastest or '—'}"
+                                for c in cs], fontsize=6.5)
+            ax.set_xlim(-0.5, len(cs) - 0.5)
+            ax.set_ylim(0, 1.32)
+            ax.set_ylabel("efficiency = fastest / its time")
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.legend(fontsize=7, loc="upper left", ncol=min(6, n + 1))
+            ax.set_title(f"{dtype} on {device_names.get(d, d)}: implementations on the same "
+                         "silicon (bar label: efficiency and % of roof)", fontsize=9)
+        if title:
+            fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{prefix}implementations_{_safe(dtype)}.png"
+        fig.savefig(path)
+        written.append(path)
     return written
 
 

@@ -17,6 +17,10 @@ that device, never averaged as if they were platforms (docs/bench.md says why). 
 A device that did not measure a case at all (another suite, an interrupted run) is listed as
 "not measured" and left out of that case's PP: it is unknown, not unsupported. A device that
 ran a case but had no peer is left out of the application-efficiency PP and named.
+
+One level down, per device, the *implementations on the same silicon* (PoCL and Intel's
+OpenCL on one CPU, jax, numpy) get a view of their own with PP over them
+(implementations.py); both the run's markdown and REPORT.md print it after the device PP.
 """
 
 from __future__ import annotations
@@ -31,7 +35,16 @@ from pathlib import Path
 from typing import Any
 
 from . import metrics
-from .metrics import attach_devices, device_key_of  # noqa: F401  (used and re-exported)
+from .implementations import (
+    NUMPY_MEMBER,
+    Member,
+    SiliconCase,
+    device_of,
+    member_of,
+    members,
+    silicon_cases,
+)
+from .metrics import attach_devices, device_key_of, target_title  # noqa: F401  (re-exported)
 
 SCHEMA_PREFIX = "portakern-bench/"
 CONTENTION_NOTE = 0.10  # flag cases during which others used more than this share of the CPUs
@@ -270,11 +283,14 @@ def pp_tables(records: Sequence[Mapping[str, Any]], devices: Sequence[str],
     lines: list[str] = []
     for op, cs in by_op.items():
         cols: list[tuple[str, str]] = []  # (device, target label) present for this op
+        impl = {(str(r.get("device_key") or r.get("platform", "?")), r["target"]):
+                r.get("implementation") for r in records}
         for d in devices:
             labs = sorted({lab for c in cs for lab in (c.records.get(d) or {})},
                           key=lambda lab: (target_kind(lab), lab))
             cols += [(d, lab) for lab in labs]
-        header = (["dtype", "size"] + [f"{names.get(d, d)} {lab}" for d, lab in cols]
+        header = (["dtype", "size"] + [f"{names.get(d, d)} {target_title(lab, impl.get((d, lab)))}"
+                                       for d, lab in cols]
                   + ["best per device", "PP best (vs peers)", "PP best (roofline)",
                      "PP per target kind (vs peers)"])
         rows = []
@@ -371,7 +387,8 @@ def run_markdown(result: Mapping[str, Any]) -> str:
         peaks = ", ".join(f"{k} {fmt_num(v, 4)}" for k, v in (own.get("fma_gflops") or {}).items())
         upeaks = ", ".join(f"{k} {num(v, 'fma_gflops.' + k)}"
                            for k, v in (used.get("fma_gflops") or {}).items())
-        trows.append([label, t["device"]["name"],
+        trows.append([target_title(label, metrics.implementation_of(label, t)),
+                      t["device"]["name"],
                       fmt_num(own.get("copy_gbs"), 4) if own.get("status") == "ok"
                       else own.get("status", "—"),
                       peaks or own.get("reason", "—")[:120],
@@ -408,7 +425,12 @@ def run_markdown(result: Mapping[str, Any]) -> str:
             first_cell += f" (compile {fmt_time(comp)})"
         if ours.get("status") != "ok":
             first_cell = ours.get("reason", "")[:80]
-        rows.append([r["op"], r["dtype"], r["label"], r["target"], timing_cell(ours), first_cell,
+        rows.append([r["op"], r["dtype"], r["label"],
+                     target_title(r["target"], r.get("implementation")
+                                  or metrics.implementation_of(
+                                      r["target"], (result.get("targets") or {}).get(
+                                          r["target"]))),
+                     timing_cell(ours), first_cell,
                      fmt_num(ach.get("gflops")), fmt_num(ach.get("gbs")),
                      fmt_pct(ach.get("pct_roofline")), _peers_cell(r), best_name,
                      eff_cell(r), unf_cell, _mem_cell(r),
@@ -431,9 +453,132 @@ def run_markdown(result: Mapping[str, Any]) -> str:
                   f"({legend}); the targets on one device side by side, PP over devices "
                   "(docs/bench.md):"]
         lines += pp_tables(result.get("cases", []), devs, names)
+        lines += silicon_lines(result.get("cases", []), devs, names, roofs=roof_lines(
+            result.get("targets") or {}, devs, names, host))
     if result.get("wall_s") is not None:
         lines += ["", f"wall time {result['wall_s']:.1f} s"]
     return "\n".join(lines) + "\n"
+
+
+# --- the implementations on the same silicon (implementations.py) ----------------------------
+def member_cell(m: Member | None) -> str:
+    """'2.02 ms · eff 0.69 · 59% roof' (the target that gave it where the member has several;
+    ⚠ if that measurement was contended)."""
+    if m is None:
+        return "—"
+    if m.status != "ok":
+        return m.status + (f" ({m.reason})" if m.reason else "")
+    text = (f"{fmt_time(m.time_s)} · eff {fmt_num(m.efficiency, 2)} · "
+            f"{fmt_pct(None if m.roof is None else 100 * m.roof)}% roof")
+    if m.source:
+        text += f" ({m.source})"
+    return text + (" ⚠" if m.contended else "")
+
+
+def peer_cell(m: Member | None) -> str:
+    if m is None:
+        return "—"
+    if m.status != "ok":
+        return m.status + (f" ({m.reason[:80]})" if m.reason else "")
+    return f"{fmt_time(m.time_s)} · eff {fmt_num(m.efficiency, 2)}" + (" ⚠" if m.contended
+                                                                        else "")
+
+
+def silicon_pp_cell(pp: metrics.Portability | None, c: SiliconCase,
+                    excluded: Sequence[str]) -> str:
+    if pp is None or pp.value is None:
+        return "n/a"
+    notes = []
+    if pp.unsupported:
+        notes.append("cannot run: " + ", ".join(pp.unsupported))
+    if c.not_measured:
+        notes.append("not measured: " + ", ".join(c.not_measured))
+    if excluded and not pp.unsupported:
+        notes.append("without " + ", ".join(excluded))
+    return f"{pp.value:.3g}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def member_title(name: str, records: Sequence[Mapping[str, Any]], device: str) -> str:
+    """A column header: the member and the targets behind it ('opencl:pocl (opencl:0)')."""
+    if name == NUMPY_MEMBER and not any(member_of(r) == name for r in records):
+        return "numpy (peer)"
+    labels = sorted({str(r.get("target")) for r in records
+                     if device_of(r) == device and member_of(r) == name})
+    return f"{name} ({', '.join(labels)})" if labels and labels != [name] else name
+
+
+def silicon_tables(records: Sequence[Mapping[str, Any]], devices: Sequence[str],
+                   names: Mapping[str, str], level: str = "###") -> list[str]:
+    """Markdown: per device with two or more implementations and per op, one row per case:
+    each member's time, efficiency and % roof, the other peers, the fastest, PP over H."""
+    cases = silicon_cases(records, devices)
+    lines: list[str] = []
+    by: dict[tuple[str, str], list[SiliconCase]] = {}
+    for c in cases:
+        by.setdefault((c.device, c.key[0]), []).append(c)
+    for (d, op), cs in by.items():
+        h = members(records, d)
+        peer_keys: list[str] = []
+        peer_names: dict[str, str] = {}
+        for c in cs:
+            for k, m in c.peers.items():
+                if k not in peer_keys:
+                    peer_keys.append(k)
+                    peer_names[k] = m.name
+        header = (["dtype", "size"] + [member_title(n, records, d) for n in h]
+                  + [f"{peer_names[k]} (peer)" for k in peer_keys]
+                  + ["fastest", "PP over H (vs fastest)", "PP over H (roofline)"])
+        rows = []
+        for c in cs:
+            rows.append([c.key[1], c.key[2]] + [member_cell(c.members.get(n)) for n in h]
+                        + [peer_cell(c.peers.get(k)) for k in peer_keys]
+                        + [f"{c.fastest} {fmt_time(c.fastest_s)}" if c.fastest else "—",
+                           silicon_pp_cell(c.pp_app, c, ()),
+                           silicon_pp_cell(c.pp_roof, c, c.no_roof)])
+        lines += ["", f"{level} {op} on {names.get(d, d)}: implementations side by side", "",
+                  md_table(header, rows)]
+    return lines
+
+
+def silicon_lines(records: Sequence[Mapping[str, Any]], devices: Sequence[str],
+                  names: Mapping[str, str], level: str = "###",
+                  roofs: Mapping[str, str] | None = None) -> list[str]:
+    """The implementations-on-the-same-silicon tables (implementations.py) under their
+    paragraph; empty when no device has two implementations."""
+    tables = silicon_tables(records, devices, names, level)
+    if not tables:
+        return []
+    sets = "; ".join(f"{names.get(d, d)}: {{{', '.join(members(records, d))}}}"
+                     + (f", {roofs[d]}" if roofs and roofs.get(d) else "")
+                     for d in devices if len(members(records, d)) > 1)
+    return ["", "**The portability gap between implementations on the same silicon.** Per "
+            "device, each implementation (portakern's per OpenCL runtime, jax at the faster "
+            "of its lowerings, the numpy peer) beside the others and the remaining peers: "
+            "efficiency = the fastest time among all of them on the device / its time, % roof "
+            "against the device's one roof, PP = harmonic mean over H, 0 if one cannot run "
+            f"the case (docs/bench.md). H per device: {sets}."] + tables
+
+
+def roof_lines(targets: Mapping[str, Mapping[str, Any]], devices: Sequence[str],
+               names: Mapping[str, str], host: str) -> dict[str, str]:
+    """Per device: its one roof, and which target's probe or which measurement set each
+    number ('roof 105 GB/s (from jax:0), float32 224 GFLOP/s (from opencl:1)')."""
+    out: dict[str, str] = {}
+    for d in devices:
+        on = [(lab, t) for lab, t in targets.items() if device_key_of(t, host) == d]
+        if not on:
+            continue
+        roof = on[0][1].get("roofline_effective") or {}
+        if roof.get("status") != "ok":
+            continue
+        src = roof.get("sources") or {}
+        parts = [f"{fmt_num(roof.get('copy_gbs'), 4)} GB/s"
+                 + (f" (from {src['copy_gbs']})" if src.get("copy_gbs") else "")]
+        parts += [f"{k} {fmt_num(v, 4)} GFLOP/s"
+                  + (f" (from {src['fma_gflops.' + k]})" if src.get("fma_gflops." + k) else "")
+                  for k, v in (roof.get("fma_gflops") or {}).items()]
+        out[d] = "one roof: " + ", ".join(parts)
+    return out
 
 
 def contention_lines(cases: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -628,7 +773,9 @@ def report_markdown(m: Merged, plot_files: Sequence[str] = ()) -> str:
               "case): the best portakern target per device, and per target kind. Targets "
               "sharing a device are shown side by side, not averaged. % roof is against the "
               "device's roof: the best of our probes and every rate measured on it in the run, "
-              "so it never exceeds 100. See docs/bench.md.", "", "## Devices", ""]
+              "so it never exceeds 100. Per device, the implementations on the same silicon "
+              "(PoCL and Intel's OpenCL on one CPU, jax, numpy) follow side by side, with PP "
+              "over them. See docs/bench.md.", "", "## Devices", ""]
     latest: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {}
     files: dict[str, list[str]] = {}
     for src in m.sources:  # oldest first: the newest file's record of a platform wins
@@ -648,7 +795,8 @@ def report_markdown(m: Merged, plot_files: Sequence[str] = ()) -> str:
         ppeaks = ", ".join(f"{k} {fmt_num(v, 4)}" for k, v in
                            (probe.get("fma_gflops") or {}).items())
         drow.append([m.device_short[d], m.device_label.get(d, d),
-                     ", ".join(latest[p][2] for p in plats),
+                     ", ".join(target_title(latest[p][2], metrics.implementation_of(
+                         latest[p][2], latest[p][1])) for p in plats),
                      fmt_num(roof.get("copy_gbs"), 4), peaks or roof.get("status", "—"),
                      (f"{fmt_num(probe.get('copy_gbs'), 4)} GB/s, {ppeaks}" if probe else "—"),
                      (src["commit"] or "?")[:10], str(src["suite"]),
@@ -656,6 +804,9 @@ def report_markdown(m: Merged, plot_files: Sequence[str] = ()) -> str:
     lines.append(md_table(["id", "device", "targets", "roof GB/s", "roof GFLOP/s",
                            "of which the probes", "commit (newest)", "suite", "files"], drow))
     lines += pp_tables(m.records, m.devices, m.device_short)
+    silicon = silicon_lines(m.records, m.devices, m.device_short, level="###")
+    if silicon:
+        lines += ["", "## Implementations on the same silicon"] + silicon
     if plot_files:
         lines += ["", "## Plots", ""]
         lines += [f"![{Path(f).stem}]({f})" for f in plot_files]

@@ -175,6 +175,13 @@ def hardware_key(be: Backend) -> str:
     return "cpu" if be.device.kind == "cpu" else f"{be.device.kind}:{be.device.name.strip()}"
 
 
+def implementation(be: Backend) -> str:
+    """What runs the target's kernels (``opencl:pocl``, ``opencl:intel``, ``jax``): targets of
+    one device compared as implementations on the same silicon (implementations.py)."""
+    return metrics.implementation_of(be.label, {"backend": be.name,
+                                                "device": {"extra": be.device.extra}})
+
+
 def platform_id(be: Backend, hostname: str) -> str:
     """A platform of the PP set: a backend target on one device of one machine."""
     return f"{be.label} · {be.device.name} @ {hostname}"
@@ -772,6 +779,7 @@ def _run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 progress.line(f" {roof.status}: {roof.reason}")
             result["targets"][be.label] = {
                 "backend": be.name, "device": be.device.as_dict(),
+                "implementation": implementation(be),
                 "platform": platform_id(be, hostname), "roofline": roof.as_dict()}
         groups: dict[str, list[str]] = {}
         for be in targets:
@@ -807,6 +815,7 @@ def _run_bench(cfg: BenchConfig) -> dict[str, Any]:
                     rec = measure_case(be, case, host, peers, cfg, device_roof[hk], platform,
                                        progress, meter)
                     rec["device_key"] = result["targets"][be.label]["device_key"]
+                    rec["implementation"] = result["targets"][be.label]["implementation"]
                     device_roof[hk] = lift(device_roof[hk], rec)
                     derive(rec, device_roof[hk])
                 except KeyboardInterrupt as exc:
@@ -828,6 +837,7 @@ def _run_bench(cfg: BenchConfig) -> dict[str, Any]:
                             result["hog"]["cases"].append(part)
                         raise
                     hrec["device_key"] = rec["device_key"]
+                    hrec["implementation"] = rec["implementation"]
                     hrec["hogged"] = True
                     derive(hrec, device_roof[hk])  # rated, but never raising the roof
                     result["hog"]["cases"].append(hrec)
