@@ -32,7 +32,7 @@ import numpy as np
 from ..core import dtypes, settings
 from ..core.errors import DeviceMemoryError, ForkedProcessError, UnsupportedDTypeError
 from ..core.host import nbytes_of
-from ..core.lru import LRUCache  # also re-exported: plan, jax
+from ..core.lru import LRUCache
 from ..core.spec import KernelSpec, Launch, Problem, storage_dtype
 
 

@@ -43,13 +43,13 @@ from ..core.errors import (
     UnsupportedDTypeError,
 )
 from ..core.host import native_byte_order
+from ..core.lru import LRUCache
 from ..core.spec import KernelSpec, Problem, storage_dtype
 from .base import (
     FUNCTION_CACHE_SIZE,
     ArrayBackend,
     Availability,
     DeviceInfo,
-    LRUCache,
 )
 
 try:  # optional dependency: guarded, with an install hint in the availability record

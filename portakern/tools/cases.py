@@ -4,7 +4,6 @@ Each op's generator lives in its spec (``KernelSpec.cases``; the built-in ops' i
 portakern/ops/<op>.py, built from portakern.core.sampling). This module (a tool, never loaded by a
 call) finds the generator for an op (``case_generator``, ``CASES``), lets a user override it
 (``register_cases``) and checks a backend's output against the float64 oracle (``compare``).
-The names below from sampling and the ops are re-exported for the tests and older callers.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from .implementations import (
     members,
     silicon_cases,
 )
-from .metrics import attach_devices, device_key_of, target_title  # noqa: F401  (re-exported)
+from .metrics import attach_devices, device_key_of, target_title
 
 SCHEMA_PREFIX = "portakern-bench/"
 CONTENTION_NOTE = 0.10  # flag cases during which others used more than this share of the CPUs
