@@ -203,8 +203,9 @@ class OpenCLBackend(KernelBackend):
         def check(x: Any) -> Any:  # an array made on our queue is in our context
             if x.__class__ is cls and (x.queue is queue or x.context == ctx) \
                     and x.strides == strides and not x.offset:
-                bd = x.base_data
-                if bd is not None and bd.size >= nbytes and not bd.flags & read_only:
+                bd = x.base_data  # size and flags: a driver query each, flags for outputs only
+                if bd is not None and bd.size >= nbytes \
+                        and not (read_only and bd.flags & read_only):
                     return bd
             return None
 

@@ -82,7 +82,7 @@ def enqueue_steps(be: KernelBackend, indexed: Sequence[tuple[Program, tuple[int,
     launches stay together on an in-order queue."""
     with be.launch_lock:
         for program, slots in indexed:
-            program([handles[j] for j in slots])
+            program([*map(handles.__getitem__, slots)])
 
 
 def run(plan: Plan, arrays: Mapping[str, Any], out: Any = None) -> Any:
