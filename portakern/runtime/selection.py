@@ -196,8 +196,12 @@ def follows_inputs(backend: str | Backend | None, arrays: Iterable[Any] | None) 
     """Whether ``resolve(backend, arrays)`` picks the device by where the inputs live: no
     backend=, no ``use``, no $PORTAKERN_BACKEND, and a native input (a plan made so must
     check, when an input is on another device, that it still runs where the inputs are)."""
-    return (backend is None and _current.get() is None and settings.selection.backend is None
-            and owner_of(arrays) is not None)
+    if backend is not None or _current.get() is not None or settings.selection.backend is not None:
+        return False
+    owner = owner_of(arrays)
+    # only where the owner tells devices apart (OpenCL): jax's and CuPy's arrays go to their
+    # backend's default device, so their plans never need the re-check on the call path
+    return owner is not None and _where(owner, arrays) != owner
 
 
 _AUTO: dict[int, Backend] = {}  # registry version -> the automatic choice's instance
