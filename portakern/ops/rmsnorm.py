@@ -253,11 +253,11 @@ SPEC = KernelSpec(
               Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes per load (OpenCL, float32 and "
                       "float64 storage; 1 elsewhere: the scalar loop)")),
     # CPU: one item per row, reading it in 8-lane vectors (the scalar loop's branch, Blue's
-    # split, keeps PoCL's and Intel's vectorizers off it). Measured side by side on a 2-core
-    # Xeon, PoCL / Intel: 64x4096 101 / 45 us (WG=4 scalar: 546 / 312), 4096x4096 14 / 16 ms
-    # (44 / 52), 16384x1024 12 / 16 ms (58 / 59); WG=4 with vectors is 1.3-3x slower. GPU:
-    # 256 items per row, so a 4096-wide row is 16 coalesced loads per item and the tree has
-    # 8 levels.
+    # split, keeps PoCL's and Intel's vectorizers off it). Measured side by side on a quiet
+    # 2-core Xeon, PoCL / Intel, WG/VEC = 1/8 against the old 4/1 and against 4/8: 64x4096
+    # 168 / 45 us (327 / 303; 120 / 51), 4096x4096 13.9 / 7.6 ms (26.2 / 25.5; 11.7 / 11.7),
+    # 16384x1024 8.0 / 9.0 ms (29.9 / 31.1; 16.2 / 10.0). GPU: 256 items per row, so a
+    # 4096-wide row is 16 coalesced loads per item and the tree has 8 levels.
     schedules={"gpu": {"WG": 256, "VEC": 1}, "cpu": {"WG": 1, "VEC": 8}},
     example=example,
     cases=cases,

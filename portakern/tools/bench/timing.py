@@ -26,9 +26,10 @@ and caches are as warm as in back-to-back samples: each sample is still exactly 
 synchronised call that followed calls of its own. Why a time, not one call: on a 2-core
 machine every implementation's threads (PoCL's and Intel's workers, torch's OpenMP pool) spin
 a while after a call and sleep after that; one untimed call right after another pool's was
-measured to leave both sides ~2-4x slower than back to back (rmsnorm 64x4096: ours 168-175
-us and torch 109-190 us interleaved call by call, against 44-93 and 60-73 back to back), and
-only ~10 ms of calls of its own brought Intel's runtime back to its back-to-back time.
+measured to leave both sides up to ~2.5x slower than back to back (rmsnorm 64x4096 on a quiet
+machine: ours 176-179 us and torch 184-234 us interleaved call by call, against 72-135 and
+104-165 back to back), and only ~10 ms of calls of its own brought Intel's runtime back to
+its back-to-back time.
 """
 
 from __future__ import annotations
