@@ -193,11 +193,26 @@ class Compiler(Protocol):
 
 
 class Program(Protocol):
-    """One kernel launch with its geometry and scalar arguments bound once: called with the
-    buffer arguments (kernel arguments as ``buffer_arg`` gives them, in the order of the
-    template's buffer slots), it enqueues the kernel."""
+    """One kernel launch with its geometry, scalar arguments and buffer slots bound once:
+    called with a call's buffer handles (kernel arguments as ``buffer_arg`` gives them), it
+    takes the handle of each of its slots (``slots``, given to ``KernelBackend.program``)
+    and enqueues the kernel. All of a plan's programs are called with one handle list, so
+    the launch loop builds no per-launch argument list."""
 
-    def __call__(self, buffers: Sequence[Any]) -> None: ...
+    def __call__(self, handles: Sequence[Any]) -> None: ...
+
+
+def bound_slots(template: Sequence[Any], slots: Sequence[int] | None
+                ) -> tuple[tuple[int, int], ...]:
+    """(argument position, handle index) for each buffer of a Program's ``template``:
+    ``slots`` given to ``KernelBackend.program``, or None for the template's buffer order."""
+    positions = [i for i, a in enumerate(template) if a.__class__ is str]
+    if slots is None:
+        slots = range(len(positions))
+    if len(slots) != len(positions):
+        raise ValueError(f"a program of {len(positions)} buffer arguments was given "
+                         f"{len(slots)} slots; expected one handle index per buffer name.")
+    return tuple(zip(positions, (int(s) for s in slots)))
 
 
 @dataclass(frozen=True)
@@ -211,7 +226,8 @@ class MemoryLimits:
 
 class Step(NamedTuple):
     """One launch of a plan: the ``program`` and the buffer each of its buffer slots takes
-    (``slots``: buffer names, in the order the program is called with). ``kernel``,
+    (``slots``: buffer names, in the template's order; the program was bound to their
+    positions in the plan's ``buffer_names``). ``kernel``,
     ``launch`` and ``template`` (buffer names as str, packed scalars) are kept for the tools
     (the dispatch benchmark's raw baseline)."""
 
@@ -487,9 +503,12 @@ class KernelBackend(Backend):
         """Compile rendered source; return entry name -> kernel. Raise CompileError."""
 
     @abc.abstractmethod
-    def program(self, kernel: Any, launch: Launch, template: Sequence[Any]) -> Program:
+    def program(self, kernel: Any, launch: Launch, template: Sequence[Any],
+                slots: Sequence[int] | None = None) -> Program:
         """The Program of one launch: ``template`` holds buffer names (str) and packed
-        scalars (numpy scalars), bound here once; the Program is called with the buffers."""
+        scalars (numpy scalars), bound here once. ``slots``: for each buffer name of the
+        template, in order, the index of its handle in the list the Program is called with
+        (None: the handles come in the template's buffer order)."""
 
     # --- optional hooks ----------------------------------------------------------------------
     def argument_checker(self, shape: tuple[int, ...], dtype: Any, writable: bool = False
@@ -503,6 +522,20 @@ class KernelBackend(Backend):
         exactly when they are the same memory (the runner's aliasing test). None: no fast
         path on this backend."""
         return None
+
+    def output_maker(self, shape: tuple[int, ...], dtype: str
+                     ) -> Callable[[], tuple[Any, Any]]:
+        """The planned runner's allocator for one output of a plan (runtime/plan.py): a
+        zero-argument callable giving a new ``(array, kernel argument)``, where a backend can
+        make both faster than ``empty`` + ``buffer_arg`` by knowing the shape and dtype once.
+        Default: exactly those two."""
+        empty, buffer_arg = self.empty, self.buffer_arg
+
+        def make() -> tuple[Any, Any]:
+            a = empty(shape, dtype)
+            return a, buffer_arg(a)
+
+        return make
 
     def kernel_limits(self, kernel: Any) -> tuple[int | None, int | None]:
         """(local memory bytes, largest work-group) the driver reports for one compiled kernel

@@ -72,7 +72,7 @@ from ..core.errors import (
 from ..core.host import c_strides
 from ..core.lru import LRUCache
 from ..core.spec import Launch, storage_dtype
-from .base import KERNEL_CACHE_SIZE, Availability, DeviceInfo, KernelBackend
+from .base import KERNEL_CACHE_SIZE, Availability, DeviceInfo, KernelBackend, bound_slots
 
 try:  # optional dependency: guarded, with an install hint in the availability record
     import cupy as cp
@@ -417,16 +417,18 @@ class CudaBackend(KernelBackend):
         shared, most = kernel.shared_bytes, kernel.max_threads
         return (int(shared) if shared else None), (int(most) if most else None)
 
-    def program(self, kernel: Any, launch: Launch, template: Sequence[Any]) -> Any:
-        """The cupy Function with its grid, block and scalar arguments bound once; a call
-        fills in the buffers and launches with this device made current."""
+    def program(self, kernel: Any, launch: Launch, template: Sequence[Any],
+                slots: Sequence[int] | None = None) -> Any:
+        """The cupy Function with its grid, block, scalar arguments and buffer slots bound
+        once; a call fills in the buffers and launches with this device made current."""
         threads = launch.local[0] * launch.local[1] * launch.local[2]
         if kernel.max_threads and threads > kernel.max_threads:
             raise InvalidArgumentError(
                 f"kernel {launch.kernel!r}: a block of {threads} threads {launch.local} exceeds "
                 f"the {kernel.max_threads} this compiled kernel allows on {self.describe()} "
                 f"({kernel.num_regs} registers per thread); lower the work-group tunables.")
-        return _CudaProgram(kernel.fn, launch, template, self._cp_device, self.describe())
+        return _CudaProgram(kernel.fn, launch, template, bound_slots(template, slots),
+                            self._cp_device, self.describe())
 
     def argument_checker(self, shape: tuple[int, ...], dtype: Any, writable: bool = False
                          ) -> Any:
@@ -467,19 +469,19 @@ class _CudaProgram:
     """One CUDA launch: the scalars sit in an argument list made once; a call puts the
     buffers in their positions and calls the cupy Function inside the device's scope."""
 
-    __slots__ = ("fn", "launch", "grid", "block", "args", "positions", "device", "label")
+    __slots__ = ("fn", "launch", "grid", "block", "args", "pairs", "device", "label")
 
-    def __init__(self, fn: Any, launch: Launch, template: Sequence[Any], device: Any,
-                 label: str) -> None:
+    def __init__(self, fn: Any, launch: Launch, template: Sequence[Any],
+                 pairs: tuple[tuple[int, int], ...], device: Any, label: str) -> None:
         self.fn, self.launch, self.device, self.label = fn, launch, device, label
         self.grid, self.block = tuple(launch.groups), tuple(launch.local)
         self.args = list(template)
-        self.positions = tuple(i for i, a in enumerate(template) if a.__class__ is str)
+        self.pairs = pairs  # (argument position, handle index) per buffer
 
-    def __call__(self, buffers: Sequence[Any]) -> None:
+    def __call__(self, handles: Sequence[Any]) -> None:
         args = self.args.copy()
-        for i, b in zip(self.positions, buffers):
-            args[i] = b
+        for i, s in self.pairs:
+            args[i] = handles[s]
         with self.device:
             try:
                 self.fn(self.grid, self.block, tuple(args))

@@ -574,9 +574,10 @@ class OclgrindBackend(OpenCLBackend):
             k._portakern_source = source  # reports quote the rendered line
         return got
 
-    def program(self, kernel: Any, launch: Launch, template: Sequence[Any]) -> Any:
+    def program(self, kernel: Any, launch: Launch, template: Sequence[Any],
+                slots: Sequence[int] | None = None) -> Any:
         """The OpenCL program, each call checked: see ``_checked_launch``."""
-        inner = super().program(kernel, launch, template)
+        inner = super().program(kernel, launch, template, slots)
         source = getattr(kernel, "_portakern_source", "")
 
         def run(buffers: Sequence[Any]) -> None:

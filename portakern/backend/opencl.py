@@ -10,6 +10,8 @@ default, which the tolerance rules allow); fp16 storage uses core vload_half/vst
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,7 +29,7 @@ from ..core.errors import (
 from ..core.host import c_strides, native_byte_order
 from ..core.lru import LRUCache
 from ..core.spec import Launch, storage_dtype
-from .base import Availability, DeviceInfo, KernelBackend, MemoryLimits
+from .base import Availability, DeviceInfo, KernelBackend, MemoryLimits, bound_slots
 from .opencl_devices import (
     DEFAULT_RULE,
     FORK_GUARD,
@@ -53,6 +55,23 @@ OUTPUT_TEMPLATE_CACHE_SIZE = 4096
 # its device to the probe's list and picks its own subclass for its selector.
 PROBE_HOOKS: list[Callable[[Availability], Availability]] = []
 SELECTOR_HOOKS: list[Callable[[str], type[OpenCLBackend] | None]] = []
+
+
+# pyopencl.array.Array's parameters, in order, as ``output_maker`` passes them by position
+_ARRAY_FAST_ARGS = ("self", "cq", "shape", "dtype", "order", "allocator", "data", "offset",
+                    "strides", "events", "_flags", "_fast", "_size", "_context", "_queue")
+
+
+@functools.cache
+def _array_takes_fast_args_by_position() -> bool:
+    """Whether the installed pyopencl's Array constructor has the parameters ``output_maker``
+    passes by position, in that order (checked once: a release that reorders them gets the
+    keywords, never a misplaced argument)."""
+    try:
+        params = tuple(inspect.signature(cla.Array.__init__).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params[:len(_ARRAY_FAST_ARGS)] == _ARRAY_FAST_ARGS
 
 
 class OpenCLBackend(KernelBackend):
@@ -246,28 +265,56 @@ class OpenCLBackend(KernelBackend):
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
         """An uninitialised output array, made on the hot path of every call without out=.
 
-        ``pyopencl.array.empty`` spends ~20 µs in Python re-deriving size and strides (more than
-        the whole rest of a call); the clBuffer itself costs well under 1 µs. So the layout of
-        the first array of each (shape, dtype) is kept, and later ones are made by pyopencl's
-        constructor on its fast path with that layout (what ``Array._new_with_changes`` does,
-        with a fresh buffer and event list of their own: ~1.5 µs)."""
+        ``pyopencl.array.empty`` spends ~20 µs in Python re-deriving size and strides (more
+        than the whole rest of a call); the clBuffer itself costs well under 1 µs. So the
+        layout of the first array of each (shape, dtype) is kept, and later ones are made by
+        ``output_maker``'s constructor call with that layout."""
         key = (shape, dtype)
-        layout = self._output_templates.lookup(key)
-        if layout is None:
+        make = self._output_templates.lookup(key)
+        if make is None:
             arr = self._allocate(cla.empty, shape, dtype)
             if arr.nbytes:
-                self._output_templates[key] = (arr.dtype, arr.strides, arr.size, arr.nbytes)
+                self._output_templates[key] = self.output_maker(shape, dtype, arr)
             return arr
-        st, strides, size, nbytes = layout
+        return make()[0]
+
+    def output_maker(self, shape: tuple[int, ...], dtype: str, like: Any = None
+                     ) -> Callable[[], tuple[Any, Any]]:
+        """New arrays of one shape and dtype, each with its own buffer and event list, made
+        by pyopencl's constructor on its fast path (what ``Array._new_with_changes`` does) with
+        the layout of ``like`` (an array of that shape and dtype; made once if None), its
+        arguments passed by position when the installed pyopencl's signature is the one
+        ``_ARRAY_FAST_ARGS`` names (half the cost of keywords: ~0.4 µs, where the driver's
+        buffer costs ~0.2 µs), by keyword otherwise."""
+        if like is None:
+            like = self._allocate(cla.empty, shape, dtype)
+        st, strides, size, nbytes = like.dtype, like.strides, like.size, like.nbytes
+        if not nbytes:
+            return super().output_maker(shape, dtype)
+        cls, ctx, queue, alloc = cla.Array, self.ctx, self.queue, self._new_buffer
+        positional = _array_takes_fast_args_by_position()
+
+        def make() -> tuple[Any, Any]:
+            pool = self.memory_pool
+            try:  # nbytes was judged against the device's limits when ``like`` was made
+                data = pool.allocate(nbytes) if pool is not None else alloc(nbytes)
+            except cl.Error:  # the pool's retry after freeing what it holds, else the error
+                data = self._output_buffer(shape, dtype, nbytes)
+            if positional:
+                return cls(None, shape, st, "C", alloc, data, 0, strides, None, None, True,
+                           size, ctx, queue), data
+            return cls(None, shape, st, allocator=alloc, strides=strides, data=data, offset=0,
+                       events=None, _fast=True, _context=ctx, _queue=queue, _size=size), data
+
+        return make
+
+    def _output_buffer(self, shape: tuple[int, ...], dtype: str, nbytes: int) -> Any:
         try:
-            data = self._new_buffer(nbytes)
+            return self._new_buffer(nbytes)
         except cl.Error as exc:
             if not is_allocation_failure(exc):
                 raise
             raise self._oom(f"an output {shape} {dtype}", nbytes, exc) from None
-        return cla.Array(None, shape, st, allocator=self._new_buffer, strides=strides,
-                         data=data, offset=0, events=None, _fast=True, _context=self.ctx,
-                         _queue=self.queue, _size=size)
 
     def fill_zero(self, out: Any) -> None:
         """Zero ``out`` by its bytes: pyopencl's fill() builds a kernel for the element type,
@@ -345,8 +392,35 @@ class OpenCLBackend(KernelBackend):
     def buffer_arg(self, x: Any) -> Any:
         return x.base_data if x.size else cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY, 1)
 
-    def program(self, kernel: Any, launch: Launch, template: Sequence[Any]) -> Any:
-        return _CLProgram(self, kernel, launch, template)
+    def program(self, kernel: Any, launch: Launch, template: Sequence[Any],
+                slots: Sequence[int] | None = None) -> Any:
+        """One launch on its own kernel object (a second cl_kernel of the same compiled
+        program): the scalar arguments, fixed by the plan, are set once here, and a call
+        sets only the buffer arguments (clSetKernelArg per buffer: 0.06 µs each, where
+        setting all of attention's 20 arguments at once costs 1.4 µs). Kernel objects shared
+        between plans could not keep scalars: another plan may set other values. Calls run
+        under the backend's launch lock (runtime/execute.enqueue_steps): clSetKernelArg is
+        not thread-safe. A closure, not an object: each attribute read of the per-call path
+        would cost more than the driver call it precedes."""
+        own = cl.Kernel(kernel.built_program, kernel.function_name)
+        # declared once: without it PyOpenCL probes each scalar's type on every set_arg
+        own.set_arg_types([None if a.__class__ is str else a.dtype for a in template])
+        for i, a in enumerate(template):
+            if a.__class__ is not str:
+                own.set_arg(i, a)
+        pairs = bound_slots(template, slots)
+        set_arg, queue, gsize, local = own.set_arg, self.queue, launch.global_size, launch.local
+        failed = self.launch_failed
+
+        def run(handles: Sequence[Any]) -> None:
+            for i, s in pairs:
+                set_arg(i, handles[s])
+            try:
+                cl.enqueue_nd_range_kernel(queue, own, gsize, local)
+            except cl.Error as exc:
+                failed(launch, [handles[s] for _, s in pairs], exc)
+
+        return run
 
     def kernel_limits(self, kernel: Any) -> tuple[int | None, int | None]:
         """clGetKernelWorkGroupInfo: LOCAL_MEM_SIZE and WORK_GROUP_SIZE on this device."""
@@ -401,36 +475,3 @@ class OpenCLBackend(KernelBackend):
             raise exc
         nbytes = sum(int(a.size) for a in buffers if isinstance(a, cl.MemoryObjectHolder))
         raise self._oom(f"the buffers of kernel {launch.kernel!r}", nbytes, exc) from None
-
-
-class _CLProgram:
-    """One launch on its own kernel object (a second cl_kernel of the same compiled program):
-    the scalar arguments, fixed by the plan, are set once here, and a call sets only the
-    buffer arguments (clSetKernelArg per buffer: 0.06 µs each, where setting all of
-    attention's 20 arguments at once costs 1.4 µs). Kernel objects shared between plans
-    could not keep scalars: another plan may set other values. Calls run under the backend's
-    launch lock (runtime/execute.enqueue_steps): clSetKernelArg is not thread-safe."""
-
-    __slots__ = ("backend", "kernel", "launch", "positions")
-
-    def __init__(self, backend: OpenCLBackend, kernel: Any, launch: Launch,
-                 template: Sequence[Any]) -> None:
-        own = cl.Kernel(kernel.built_program, kernel.function_name)
-        # declared once: without it PyOpenCL probes each scalar's type on every set_arg
-        own.set_arg_types([None if a.__class__ is str else a.dtype for a in template])
-        for i, a in enumerate(template):
-            if a.__class__ is not str:
-                own.set_arg(i, a)
-        self.backend, self.kernel, self.launch = backend, own, launch
-        self.positions = tuple(i for i, a in enumerate(template) if a.__class__ is str)
-
-    def __call__(self, buffers: Sequence[Any]) -> None:
-        kernel, launch = self.kernel, self.launch
-        set_arg = kernel.set_arg
-        for i, b in zip(self.positions, buffers):
-            set_arg(i, b)
-        try:
-            cl.enqueue_nd_range_kernel(self.backend.queue, kernel, launch.global_size,
-                                       launch.local)
-        except cl.Error as exc:
-            self.backend.launch_failed(launch, buffers, exc)

@@ -51,7 +51,7 @@ class Plan:
     # every buffer a launch may name, in the order handles are passed to ``enqueue_steps``:
     # the operands present (spec order), the outputs, the workspace
     buffer_names: tuple[str, ...] = ()
-    indexed: tuple[tuple[Program, tuple[int, ...]], ...] = ()  # steps with slot indices
+    programs: tuple[Program, ...] = ()  # the steps' programs, bound to buffer_names' slots
     runner: Callable[[Sequence[Any], Mapping[str, Any], Any], Any] | None = None
     follows_inputs: bool = False  # the backend was chosen by where the inputs live
 
@@ -64,25 +64,20 @@ class Plan:
         be, spec, prob = self.backend, self.spec, self.problem
         if isinstance(be, KernelBackend) and not prob.empty_result:
             cfg = configs.config_for(be, spec, prob, self.config)
-            self.steps, self.workspace = build_steps(be, spec, prob, cfg)
-            names = [n for n in spec._operand_names if n in present]
-            names += list(prob.output_specs) if prob.outputs is not None else ["out"]
-            names += list(self.workspace)
-            index = {n: i for i, n in enumerate(names)}
-            self.buffer_names = tuple(names)
-            self.indexed = tuple((s.program, tuple(index[n] for n in s.slots))
-                                 for s in self.steps)
+            self.steps, self.workspace, self.buffer_names = build_steps(be, spec, prob, cfg,
+                                                                        present)
+            self.programs = tuple(s.program for s in self.steps)
         self.compiled = True
 
 
-def enqueue_steps(be: KernelBackend, indexed: Sequence[tuple[Program, tuple[int, ...]]],
-                  handles: Sequence[Any]) -> None:
-    """The one launch loop: every step's program called with its buffers (``handles``: kernel
-    arguments in ``Plan.buffer_names`` order), all under the backend's lock, so one call's
-    launches stay together on an in-order queue."""
+def enqueue_steps(be: KernelBackend, programs: Sequence[Program], handles: Sequence[Any]
+                  ) -> None:
+    """The one launch loop: every program of a plan called with the call's buffer handles
+    (kernel arguments in ``Plan.buffer_names`` order; each program takes its own slots), all
+    under the backend's lock, so one call's launches stay together on an in-order queue."""
     with be.launch_lock:
-        for program, slots in indexed:
-            program([*map(handles.__getitem__, slots)])
+        for program in programs:
+            program(handles)
 
 
 def run(plan: Plan, arrays: Mapping[str, Any], out: Any = None) -> Any:
@@ -277,7 +272,7 @@ def execute_plan(be: Backend, plan: Plan, ins: dict[str, Any], out: Any) -> Any:
     for name, (n, dt) in plan.workspace.items():  # per call: calls may run at once
         bufs[name] = be.empty((n,), dt)
     buffer_arg = be.buffer_arg
-    enqueue_steps(be, plan.indexed, [buffer_arg(bufs[n]) for n in plan.buffer_names])
+    enqueue_steps(be, plan.programs, [buffer_arg(bufs[n]) for n in plan.buffer_names])
     return out
 
 
@@ -289,15 +284,22 @@ def scalar(s: Scalar, prob: Problem) -> Any:
     raise InvalidArgumentError(f"unknown scalar ctype {s.ctype!r}; expected 'int' or 'acc'.")
 
 
-def build_steps(be: KernelBackend, spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]
-                ) -> tuple[tuple[Step, ...], dict[str, tuple[int, str]]]:
+def build_steps(be: KernelBackend, spec: KernelSpec, prob: Problem, cfg: Mapping[str, int],
+                present: Sequence[str]
+                ) -> tuple[tuple[Step, ...], dict[str, tuple[int, str]], tuple[str, ...]]:
     """Compiled kernels + launch geometry + packed scalar arguments for a problem and a
     complete kernel configuration ``cfg``, once per plan: the steps (a backend Program each,
-    its scalars bound once) and the workspace buffers {name: (elements, dtype)}."""
+    its scalars and buffer slots bound once), the workspace buffers {name: (elements,
+    dtype)} and the buffer names, in the order a call passes their handles: the operands
+    ``present`` (spec order), the outputs, the workspace."""
     kernels = be.kernels_for(spec, prob, cfg)
     workspace: dict[str, tuple[int, str]] = {}
     if spec.workspace is not None:
         workspace = {k: (int(n), str(dt)) for k, (n, dt) in spec.workspace(prob, cfg).items()}
+    names = [n for n in spec._operand_names if n in present]
+    names += list(prob.output_specs) if prob.outputs is not None else ["out"]
+    names += list(workspace)
+    index = {n: i for i, n in enumerate(names)}
     steps = []
     for launch in spec.launches(prob, cfg):
         wg = launch.local[0] * launch.local[1] * launch.local[2]
@@ -308,6 +310,13 @@ def build_steps(be: KernelBackend, spec: KernelSpec, prob: Problem, cfg: Mapping
         template = tuple(a.name if isinstance(a, Buf) else scalar(a, prob) for a in launch.args)
         kernel = kernels[launch.kernel]
         slots = tuple(a for a in template if a.__class__ is str)
-        steps.append(Step(be.program(kernel, launch, template), slots, kernel, launch,
-                          template))
-    return tuple(steps), workspace
+        try:
+            indices = [index[n] for n in slots]
+        except KeyError as exc:
+            raise InvalidArgumentError(
+                f"{spec.name}: launch {launch.kernel!r} names buffer {exc.args[0]!r}, which is "
+                f"neither an operand passed, an output nor a workspace ({', '.join(names)}); "
+                "fix the spec's launches or workspace.") from None
+        steps.append(Step(be.program(kernel, launch, template, indices), slots, kernel,
+                          launch, template))
+    return tuple(steps), workspace, tuple(names)

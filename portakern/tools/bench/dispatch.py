@@ -28,9 +28,9 @@ and for each five implementations:
   ``raw_launcher`` hook (OpenCL: a kernel object of its own whose scalar arguments are set
   once, then per call ``set_arg`` for each buffer and ``enqueue_nd_range_kernel``; CUDA the
   cupy ``Function`` call), arguments and workspace built once outside the timed region, as a
-  user of the raw API would. Scalars are bound once there exactly as the plan's programs bind
-  them (backend/opencl.py ``_CLProgram``), so the overhead measured is portakern's host code
-  alone, not a difference in how arguments are set.
+  user of the raw API would. Scalars are bound once there exactly as the plan's programs
+  bind them (backend/opencl.py ``OpenCLBackend.program``), so the overhead measured is
+  portakern's host code alone, not a difference in how arguments are set.
 
 Each implementation is timed two ways, in interleaved rounds (the order rotated each round),
 the median over rounds per implementation:
