@@ -28,6 +28,10 @@ def _spec(op: str | KernelSpec) -> KernelSpec:
 
 # The named wrappers take the same keywords as ``call`` (out= included) and refuse unknown
 # ones the same way: with InvalidArgumentError from the spec's binding, not a plain TypeError.
+# A parameter that *is* the wrapper's own default object (``is``, never ``==``: True == 1,
+# yet axis=True must be refused) is not passed on, and the spec's binding fills in its own
+# default, the same value (tests/test_api_defaults.py): the plan key is shorter, and the
+# runner has no keyword operand to look at. Anything else is passed and validated.
 def matmul(a: Any, b: Any, *, backend: str | Backend | None = None,
            config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
     """(..., M, K) @ (..., K, N) -> (..., M, N); batch dims broadcast; fp32 accumulation."""
@@ -35,11 +39,15 @@ def matmul(a: Any, b: Any, *, backend: str | Backend | None = None,
     return dispatch(get_op("matmul"), (a, b), kwargs, backend, config, out)
 
 
-def softmax(x: Any, axis: int = -1, *, backend: str | Backend | None = None,
+_AXIS = -1  # softmax's default; equal to the spec's (tests/test_api_defaults.py)
+
+
+def softmax(x: Any, axis: int = _AXIS, *, backend: str | Backend | None = None,
             config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
     """Stable softmax along ``axis``; a row of only -inf gives zeros."""
     out = kwargs.pop("out", None)
-    kwargs["axis"] = axis
+    if axis is not _AXIS:  # the default object is left out: see the note above matmul
+        kwargs["axis"] = axis
     return dispatch(get_op("softmax"), (x,), kwargs, backend, config, out)
 
 
@@ -48,13 +56,22 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
               config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
     """Fused softmax(scale q k^T [causal, mask]) v; rows with no key to attend give 0."""
     out = kwargs.pop("out", None)
-    kwargs["mask"], kwargs["causal"], kwargs["scale"] = mask, causal, scale
+    if mask is not None:  # the spec's defaults are left out: a shorter plan key, and no
+        kwargs["mask"] = mask  # keyword operand for the runner to look at
+    if causal is not False:
+        kwargs["causal"] = causal
+    if scale is not None:
+        kwargs["scale"] = scale
     return dispatch(get_op("attention"), (q, k, v), kwargs, backend, config, out)
 
 
-def rmsnorm(x: Any, weight: Any, eps: float = 1e-6, *, backend: str | Backend | None = None,
+_EPS = 1e-6  # rmsnorm's default; equal to the spec's (tests/test_api_defaults.py)
+
+
+def rmsnorm(x: Any, weight: Any, eps: float = _EPS, *, backend: str | Backend | None = None,
             config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
     """x / sqrt(mean(x**2, axis=-1) + eps) * weight, fused; weight has shape (x.shape[-1],)."""
     out = kwargs.pop("out", None)
-    kwargs["eps"] = eps
+    if eps is not _EPS:
+        kwargs["eps"] = eps
     return dispatch(get_op("rmsnorm"), (x, weight), kwargs, backend, config, out)

@@ -234,8 +234,7 @@ def _runner(plan: Plan, args: Sequence[Any], kwargs: Mapping[str, Any]
         return None  # memory is judged per call (execute.run's check_memory) for big calls
     if len(plan.buffer_names) != len(args) + len(outputs) + len(ws):
         return None
-    empty, buffer_arg, programs = be.empty, be.buffer_arg, plan.programs
-    single = prob.outputs is None
+    empty, buffer_arg = be.empty, be.buffer_arg
     # tiny workspaces are made once per plan where the backend runs one call's launches as one
     # uninterrupted sequence on an in-order queue (no other call can run between its pack
     # kernel and the kernel that reads the packed copy); bigger ones are made per call
@@ -244,101 +243,76 @@ def _runner(plan: Plan, args: Sequence[Any], kwargs: Mapping[str, Any]
             and be.in_order_queue:
         fixed_ws = [buffer_arg(empty((n,), dt)) for n, dt in ws]
         ws = []
-    make_outs = [be.output_maker(shape, dt) for shape, dt in outputs]
-    make_out = make_outs[0]
-    make_ws = [be.output_maker((n,), dt) for n, dt in ws]
-    out_check, out_st, out_shape = out_checks[0]
-
-    def checked_out(c: Callable[[Any], Any] | None, st: Any, shape: tuple[int, ...], o: Any
-                    ) -> Any:
-        # the plan key fixed an operand's shape and dtype, not an out='s
-        if c is None or o.dtype != st or tuple(o.shape) != shape:
-            return None
-        return c(o)
-
-    def run(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> Any:
-        hs: list[Any] = []
-        append = hs.append
-        for c, x in zip(checks, args):
-            h = c(x)
-            if h is None:
-                return _SLOW
-            append(h)
-        for k in kw_operands:
-            if kwargs[k] is not None:
-                return _SLOW
-        if out is None:
-            if single:
-                out, h = make_out()
-                append(h)
-            else:
-                made = [m() for m in make_outs]
-                out = tuple([o for o, _ in made])
-                hs += [h for _, h in made]
-        elif single:
-            h = checked_out(out_check, out_st, out_shape, out)
-            if h is None or h in hs:  # handles compare by device memory: aliasing
-                return _SLOW
-            append(h)
-        else:
-            if out.__class__ is not tuple or len(out) != len(out_checks):
-                return _SLOW
-            for (oc, st, shape), o in zip(out_checks, out):
-                h = checked_out(oc, st, shape, o)
-                if h is None or h in hs:
-                    return _SLOW
-                append(h)
-        if fixed_ws:
-            hs += fixed_ws
-        for m in make_ws:  # the arrays live until the launches are enqueued (``hs``
-            append(m()[1])  # holds the buffers; the queue retains them until done)
-        enqueue_steps(be, programs, hs)
-        return out
-
-    return _unrolled(run, be, programs, checks, kw_operands, make_outs, fixed_ws, make_ws)
+    return _written_out(be, plan.programs, checks, kw_operands,
+                        [be.output_maker(shape, dt) for shape, dt in outputs], out_checks,
+                        fixed_ws, [be.output_maker((n,), dt) for n, dt in ws],
+                        single=prob.outputs is None)
 
 
-def _unrolled(general: Callable[[Sequence[Any], Mapping[str, Any], Any], Any], be: KernelBackend,
-              programs: Sequence[Any], checks: Sequence[Callable[[Any], Any]],
-              kw_operands: Sequence[str], make_outs: Sequence[Callable[[], tuple[Any, Any]]],
-              fixed_ws: Sequence[Any], make_ws: Sequence[Callable[[], tuple[Any, Any]]]
-              ) -> Callable[[Sequence[Any], Mapping[str, Any], Any], Any]:
-    """``general``'s path for calls without ``out=`` (the common call), written out for this
-    plan's number of operands, keyword operands, outputs and workspaces: no loops, no list
-    growing, no branch on what the plan fixed. It runs the same checks in the same order and
-    returns ``_SLOW`` where ``general`` would; ``out=`` goes to ``general``. Generated source,
-    as ``collections.namedtuple`` and pyopencl's kernel invokers are: ~0.5 µs less per call on
-    attention than the loops (a third of what portakern adds to a launch), and every name in
-    it is an index, never text from a caller (keyword operand names are quoted with repr)."""
-    n = len(checks)
-    lines = ["def run(args, kwargs, out):",
-             "    if out is not None:",
-             "        return general(args, kwargs, out)"]
+def _written_out(be: KernelBackend, programs: Sequence[Any],
+                 checks: Sequence[Callable[[Any], Any]], kw_operands: Sequence[str],
+                 make_outs: Sequence[Callable[[], tuple[Any, Any]]],
+                 out_checks: Sequence[tuple[Callable[[Any], Any] | None, Any, tuple[int, ...]]],
+                 fixed_ws: Sequence[Any], make_ws: Sequence[Callable[[], tuple[Any, Any]]],
+                 *, single: bool) -> Callable[[Sequence[Any], Mapping[str, Any], Any], Any]:
+    """The runner of one plan, as Python source written out for its number of operands,
+    keyword operands, outputs and workspaces (as ``collections.namedtuple`` and pyopencl's
+    kernel invokers are): no loops, no list growing, no branch on what the plan fixed. Loops
+    over these cost ~0.5 µs more per attention call, a sixth of what portakern adds to a
+    launch. Every name in the source is an index; keyword operand names (identifiers of the
+    spec) are quoted with repr. The source is the runner's ``__doc__``.
+
+    Per call, in order: each operand's check (None: ``_SLOW``); a keyword operand given
+    (``_SLOW``); the outputs, made (``make_out<j>``) or, for ``out=``, checked for this
+    plan's dtype and shape, the backend's writable check and no overlap with any handle
+    before it (handles compare equal exactly when they are one memory); the workspaces; then
+    ``enqueue_steps`` with the handles in ``Plan.buffer_names`` order."""
+    n, m = len(checks), len(make_outs)
+    ins = [f"h{i}" for i in range(n)]
+    src = ["def run(args, kwargs, out):"]
     if n:
-        lines.append(f"    {', '.join(f'x{i}' for i in range(n))}, = args")
+        src.append(f"    {', '.join(f'x{i}' for i in range(n))}, = args")
     for i in range(n):
-        lines += [f"    h{i} = check{i}(x{i})", f"    if h{i} is None:", "        return SLOW"]
+        src += [f"    h{i} = check{i}(x{i})", f"    if h{i} is None:", "        return SLOW"]
     for k in kw_operands:
-        lines += [f"    if kwargs[{k!r}] is not None:", "        return SLOW"]
-    handles = [f"h{i}" for i in range(n)]
-    for j in range(len(make_outs)):
-        lines.append(f"    o{j}, g{j} = make_out{j}()")
-        handles.append(f"g{j}")
-    handles.append("*fixed_ws")
-    for j in range(len(make_ws)):  # the buffers live in the handle list until enqueued
-        handles.append(f"make_ws{j}()[1]")
-    lines.append(f"    enqueue_steps(be, programs, [{', '.join(handles)}])")
-    outs = [f"o{j}" for j in range(len(make_outs))]
-    lines.append(f"    return {outs[0] if len(outs) == 1 else '(' + ', '.join(outs) + ',)'}")
-    names: dict[str, Any] = {"general": general, "SLOW": _SLOW, "be": be,
-                             "programs": tuple(programs), "fixed_ws": tuple(fixed_ws),
-                             "enqueue_steps": enqueue_steps}
+        src += [f"    if kwargs[{k!r}] is not None:", "        return SLOW"]
+    src.append("    if out is None:")
+    src += [f"        o{j}, g{j} = make_out{j}()" for j in range(m)]
+    src.append("    else:")
+    if any(c is None for c, _, _ in out_checks):
+        src.append("        return SLOW")  # the backend checks such out= on the checked path
+    else:
+        if single:
+            src.append("        o0 = out")
+        else:
+            src += [f"        if out.__class__ is not tuple or len(out) != {m}:",
+                    "            return SLOW",
+                    f"        {', '.join(f'o{j}' for j in range(m))}, = out"]
+        for j in range(m):
+            before = ", ".join(ins + [f"g{i}" for i in range(j)])
+            src += [f"        if o{j}.dtype != out_dtype{j} or tuple(o{j}.shape) != "
+                    f"out_shape{j}:",
+                    "            return SLOW",
+                    f"        g{j} = out_check{j}(o{j})",
+                    f"        if g{j} is None" + (f" or g{j} in ({before},)" if before else "")
+                    + ":",
+                    "            return SLOW"]
+    handles = ins + [f"g{j}" for j in range(m)] + ["*fixed_ws"]
+    handles += [f"make_ws{j}()[1]" for j in range(len(make_ws))]  # alive until enqueued
+    src.append(f"    enqueue_steps(be, programs, [{', '.join(handles)}])")
+    outs = [f"o{j}" for j in range(m)]
+    src.append(f"    return {outs[0] if single else '(' + ', '.join(outs) + ',)'}")
+    names: dict[str, Any] = {"SLOW": _SLOW, "be": be, "programs": tuple(programs),
+                             "fixed_ws": tuple(fixed_ws), "enqueue_steps": enqueue_steps}
     names.update({f"check{i}": c for i, c in enumerate(checks)})
-    names.update({f"make_out{j}": m for j, m in enumerate(make_outs)})
-    names.update({f"make_ws{j}": m for j, m in enumerate(make_ws)})
-    exec("\n".join(lines), names)  # noqa: S102 - source built above from indices only
+    names.update({f"make_out{j}": f for j, f in enumerate(make_outs)})
+    names.update({f"make_ws{j}": f for j, f in enumerate(make_ws)})
+    for j, (c, dt, shape) in enumerate(out_checks):
+        names.update({f"out_check{j}": c, f"out_dtype{j}": dt, f"out_shape{j}": shape})
+    text = "\n".join(src)
+    exec(text, names)  # noqa: S102 - source built above from indices and repr'd names only
     run: Callable[[Sequence[Any], Mapping[str, Any], Any], Any] = names["run"]
-    run.__doc__ = "\n".join(lines)  # what runs, for whoever inspects a plan's runner
+    run.__doc__ = text
     return run
 
 
