@@ -52,9 +52,14 @@ def softmax(x: Any, axis: int = _AXIS, *, backend: str | Backend | None = None,
 
 
 def attention(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
-              scale: float | None = None, backend: str | Backend | None = None,
+              scale: float | None = None, return_lse: bool = False,
+              backend: str | Backend | None = None,
               config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
-    """Fused softmax(scale q k^T [causal, mask]) v; rows with no key to attend give 0."""
+    """Fused softmax(scale q k^T [causal, mask]) v; rows with no key to attend give 0.
+
+    ``return_lse=True``: ``(out, lse)``, lse (B, Hq, Sq) the log-sum-exp of each row's scaled
+    scores (float32; float64 for float64 inputs), -inf for a row with no key to attend: what
+    ``attention_backward`` recomputes the probabilities from."""
     out = kwargs.pop("out", None)
     if mask is not None:  # the spec's defaults are left out: a shorter plan key, and no
         kwargs["mask"] = mask  # keyword operand for the runner to look at
@@ -62,6 +67,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
         kwargs["causal"] = causal
     if scale is not None:
         kwargs["scale"] = scale
+    if return_lse is not False:
+        kwargs["return_lse"] = return_lse
     return dispatch(get_op("attention"), (q, k, v), kwargs, backend, config, out)
 
 

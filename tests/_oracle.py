@@ -53,7 +53,10 @@ def compare_case(spec: Any, case: Case, got: Any, target: Any = None) -> Verdict
 
 def check_case(op: str, target: str, case: Case) -> None:
     got = run_case(op, target, case)
-    assert isinstance(got, np.ndarray), f"numpy in must give numpy out; got {type(got)}"
+    parts = got if isinstance(got, tuple) else (got,)  # several outputs: a tuple of them
+    assert parts and all(isinstance(g, np.ndarray) for g in parts), (
+        f"numpy in must give numpy out; got {type(got)}"
+        + (f" of {[type(g).__name__ for g in got]}" if isinstance(got, tuple) else ""))
     v = compare_case(get_op(op), case, got, target)
     assert v.ok, f"{op} on {target}: case {case.describe()}\n{v}"
 

@@ -12,6 +12,9 @@
  * Causal: tiles wholly after the group's last query are never loaded. A row with no key to
  * attend (fully masked, or Sk = 0) writes 0.
  *
+ * AT_LSE (return_lse=True): each row's log-sum-exp m + log(l) is written to LSE (B, Hq, Sq)
+ * in the compute type; without it LSE is never touched.
+ *
  * Non-finite values, as attention.semantics: the scale is folded into q before the dot; a key
  * whose V row holds a NaN or an inf scores NaN (AT_NAN) for the rows allowed to attend it,
  * and V enters P.V with those entries zeroed, so a masked key (weight 0) never poisons a row;
@@ -109,6 +112,7 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                          PK_GLOBAL const PK_T_T* PK_RESTRICT V,
                          PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
                          PK_GLOBAL PK_T_T* PK_RESTRICT O,
+                         PK_GLOBAL PK_ACC_T* PK_RESTRICT LSE,
                          PK_GLOBAL const PK_ACC_T* PK_RESTRICT KT,
                          PK_GLOBAL const PK_ACC_T* PK_RESTRICT VP,
                          int Sq, int Sk, int Hq, int group, int nqb, PK_ACC_T scale,
@@ -444,6 +448,11 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
         /* dead: no key attended (max -inf, sum exactly 0); a NaN sum is alive and stays NaN */
         const int dead = m[t] == -PK_INFINITY && l[t] == (PK_ACC_T)0;
         const PK_ACC_T inv = dead ? (PK_ACC_T)0 : (PK_ACC_T)1 / l[t];
+#if AT_LSE
+        /* the row's log-sum-exp, scale included (the backward recomputes P from it): -inf
+         * for a dead row; NaN wherever l is (the row's output is NaN there too) */
+        LSE[bh * Sq + qi] = dead ? -(PK_ACC_T)PK_INFINITY : m[t] + log(l[t]);
+#endif
 #if AT_VEC
         PK_ACC_T* ar = (PK_ACC_T*)&acc[t][0];
         for (int d = 0; d < DV; ++d) PK_STORE_T(O, (bh * Sq + qi) * DV + d, ar[d] * inv);

@@ -66,7 +66,7 @@ def keep_matrix(xp: Any, sq: int, sk: int, causal: bool, mask: Any) -> Any:
 
 
 def semantics(xp: Any, q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False,
-              scale: float | None = None) -> Any:
+              scale: float | None = None, return_lse: bool = False) -> Any:
     """The op in the arrays' dtype (float64 on the oracle, the compute dtype under jax).
 
     Every implementation follows these steps (README, "Semantics and dtypes"): the scale is
@@ -81,6 +81,10 @@ def semantics(xp: Any, q: Any, k: Any, v: Any, mask: Any = None, causal: bool = 
     else +-0, and s + 0 == s), never from a NaN constant: XLA:CPU (jaxlib 0.10.2) miscompiles
     exp(where(b, nan, x)) when b is invariant along the fused loop (Sk = 1, Sq >= 2), giving
     garbage (docs/guarantees.md, "XLA:CPU and a constant NaN under exp").
+
+    ``return_lse``: also the log-sum-exp of each row's scores, (out, lse): lse = m + log(den),
+    -inf for a dead row, NaN exactly where den is (the row's output is then NaN), in the
+    arrays' dtype here (the backends return it in the compute type: float32, or float64).
     """
     hq, hkv = q.shape[1], k.shape[1]
     if scale is None:
@@ -102,7 +106,12 @@ def semantics(xp: Any, q: Any, k: Any, v: Any, mask: Any = None, causal: bool = 
     # or NaN, also where a max reduction skips NaN (XLA:CPU's does): never "den > 0".
     dead = den == 0
     p = e / xp.where(dead, xp.ones_like(den), den)
-    return xp.matmul(p, xp.where(finite_v, v, xp.zeros_like(v)))
+    out = xp.matmul(p, xp.where(finite_v, v, xp.zeros_like(v)))
+    if not return_lse:
+        return out
+    lse = m + xp.log(xp.where(dead, xp.ones_like(den), den))
+    lse = xp.where(dead, -xp.inf * xp.ones_like(lse), lse)
+    return out, lse[..., 0]
 
 
 def _scale(value: object, d: int) -> float:
@@ -144,6 +153,10 @@ def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
         raise InvalidArgumentError(f"attention: causal must be True or False; got {causal!r}.")
     params["causal"] = bool(causal)
     params["scale"] = _scale(params["scale"], D)
+    ret = params.get("return_lse", False)
+    if not isinstance(ret, (bool, np.bool_)):
+        raise InvalidArgumentError(f"attention: return_lse must be True or False; got {ret!r}.")
+    params["return_lse"] = ret = bool(ret)
     target = (B, Hq, Sq, Sk)
     mstr = [0, 0, 0, 0]
     if mask is not None:
@@ -158,12 +171,23 @@ def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
                              f"(B, Hq, Sq, Sk) = {target}; True = attend.") from None
         mstr = broadcast_strides(mask.shape, target, 1)
     out = (B, Hq, Sq, Dv)
-    return Problem("attention", dtype_name(q.dtype),
+    dt = dtype_name(q.dtype)
+    outputs = None
+    empty = (0 in out) or Sk == 0
+    if ret:  # the lse of a row with no key is -inf, not the 0 an empty result is filled with
+        outputs = {"out": (out, dt), "lse": ((B, Hq, Sq), lse_dtype(dt))}
+        empty = B * Hq * Sq == 0
+    return Problem("attention", dt,
                    {"q": q.shape, "k": k.shape, "v": v.shape,
                     "mask": None if mask is None else mask.shape}, params, out,
                    derived={"B": B, "Hq": Hq, "Hkv": Hkv, "Sq": Sq, "Sk": Sk, "D": D, "Dv": Dv,
                             "mask_strides": mstr},
-                   empty_result=(0 in out) or Sk == 0)
+                   empty_result=empty, outputs=outputs)
+
+
+def lse_dtype(dtype: str) -> str:
+    """The log-sum-exp's dtype: the compute type (float64 for float64, else float32)."""
+    return "float64" if dtype == "float64" else "float32"
 
 
 def effective_bk(p: Problem, cfg: Mapping[str, int]) -> int:
@@ -184,6 +208,8 @@ def packs_kv(p: Problem, cfg: Mapping[str, int]) -> bool:
     copies indexable with 32-bit ints. A dialect without vector types (CUDA) compiles the
     scalar path, which ignores the copies: the GPU schedule has PACK_KV=0."""
     if not cfg.get("PACK_KV") or cfg["VEC"] <= 1 or p.info.storage != p.info.compute:
+        return False
+    if p.derived["Sk"] == 0:  # nothing to pack (a call that runs with Sk = 0 returns lse)
         return False
     if effective_bk(p, cfg) % cfg["VEC"]:
         return False
@@ -208,7 +234,8 @@ def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
     return {"BQ": cfg["BQ"], "BK": effective_bk(p, cfg), "TQ": cfg["TQ"], "RQ": cfg["RQ"],
             "VEC": cfg["VEC"],
-            "DQ": p.derived["D"], "DV": p.derived["Dv"], "PACK_KV": int(packs_kv(p, cfg))}
+            "DQ": p.derived["D"], "DV": p.derived["Dv"], "PACK_KV": int(packs_kv(p, cfg)),
+            "AT_LSE": int(p.params.get("return_lse", False))}
 
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
@@ -225,8 +252,9 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
                           (bk, 1, 1), (Buf("k"), Buf("v"), Buf("kt"), Buf("vp"),
                                        Scalar(d["Sk"]), Scalar(skp))))
     kt, vp = ("kt", "vp") if packed else ("q", "q")  # unread without PACK_KV
+    lse = "lse" if p.params.get("return_lse") else "out"  # unwritten without AT_LSE
     args = (Buf("q"), Buf("k"), Buf("v"), Buf("mask" if has_mask else "q"), Buf("out"),
-            Buf(kt), Buf(vp),
+            Buf(lse), Buf(kt), Buf(vp),
             Scalar(d["Sq"]), Scalar(d["Sk"]), Scalar(d["Hq"]), Scalar(d["Hq"] // d["Hkv"]),
             Scalar(nqb), Scalar(p.params["scale"], "acc"), Scalar(int(p.params["causal"])),
             Scalar(int(has_mask)), Scalar(ms[0]), Scalar(ms[1]), Scalar(ms[2]), Scalar(ms[3]),
@@ -246,10 +274,23 @@ def cost(p: Problem) -> Cost:
     return Cost(flops=2.0 * bh * pairs * (d["D"] + d["Dv"]), bytes=float(nbytes))
 
 
-def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarray:
+def tolerance(p: Problem, x: dict[str, np.ndarray], ref: Any) -> Any:
     """The worst-case bound (module docstring) on the rows the semantics specify; 0 where the
     oracle is NaN (compared by NaN-ness: a NaN is expected exactly there); +inf (not judged)
-    where the range rule leaves a row to IEEE arithmetic in the compute type (unspecified)."""
+    where the range rule leaves a row to IEEE arithmetic in the compute type (unspecified).
+    With ``return_lse`` (``ref`` = (out, lse)) one bound per output."""
+    if not p.params.get("return_lse"):
+        return _bounds(p, x, ref, None)[0]
+    return _bounds(p, x, ref[0], ref[1])
+
+
+def _bounds(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray, lse: np.ndarray | None
+            ) -> tuple[np.ndarray, np.ndarray | None]:
+    """(the output's bound, the lse's bound or None). The lse = m + log(l) errs by at most
+    the largest attended score's error (a shift of every score by at most e_max moves the
+    log-sum-exp by at most e_max), the rounding of s - m (u dist) and of exp (4 u), the Sk - 1
+    additions of l (Sk u, relative, so absolute in the log) and log's and the final
+    addition's roundings (u |lse| each, plus 8 u slack)."""
     d = p.derived
     u = float(np.finfo(p.info.compute).eps) / 2
     scale = p.params["scale"]
@@ -280,7 +321,14 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
     floor = p.info.subnormal + 4.0 * d["Sk"] * float(np.finfo(p.info.compute).tiny)
     bound = w * rel + p.info.unit_roundoff * np.abs(ref) + floor
     bound = np.where(np.isnan(ref), 0.0, bound)
-    return np.where(unspecified(p, q, k, vf, keep, mag, s_all), np.inf, bound)
+    loose = unspecified(p, q, k, vf, keep, mag, s_all)
+    if lse is None:
+        return np.where(loose, np.inf, bound), None
+    with np.errstate(invalid="ignore"):
+        lb = e_max[..., 0] + u * (dist[..., 0] + d["Sk"] + 12.0 + 2.0 * np.abs(lse)) \
+            if d["Sk"] else np.zeros(lse.shape)
+    lb = np.where(np.isfinite(lse), lb, 0.0)  # NaN and -inf: exactly those
+    return np.where(loose, np.inf, bound), np.where(loose.any(axis=-1), np.inf, lb)
 
 
 def unspecified(p: Problem, q: np.ndarray, k: np.ndarray, vf: np.ndarray, keep: np.ndarray,
@@ -415,8 +463,11 @@ def attention_case(ch: Chooser, dtype: str) -> Case:
             mask[..., 1, :] = False  # a row that attends exactly one key
             mask[..., 1, int(rng.integers(sk))] = True
         note += " mask" + str(mshape)
+    ret = ch.boolean(0.25)  # drawn last: the draws above keep their seeds
+    if ret:
+        note += " lse"
     return Case({"q": x["q"], "k": x["k"], "v": x["v"], "mask": mask},
-                {"causal": causal, "scale": scale}, note.strip())
+                {"causal": causal, "scale": scale, "return_lse": ret}, note.strip())
 
 
 ATTENTION_VALUES = ("plain", "plain", "nonfinite", "nonfinite", "scale", "magnitude", "range")
@@ -505,7 +556,7 @@ SPEC = KernelSpec(
     name="attention",
     operands=(Operand("q"), Operand("k"), Operand("v"),
               Operand("mask", kind="bool", optional=True)),
-    params={"causal": False, "scale": None},
+    params={"causal": False, "scale": None, "return_lse": False},
     validate=validate,
     semantics=semantics,
     source=kernel_source("vexp.c", "attention.c"),

@@ -91,17 +91,35 @@ def block_config(platform: str, overrides: dict[str, int] | None = None) -> dict
     return cfg
 
 
+def _causal_upper(qi: Any, block_q: int, block_k: int, nk: int) -> Any:
+    """Key blocks a causal query block visits: the last query of block qi sees keys
+    < (qi + 1) * block_q (top-left aligned)."""
+    import jax.numpy as jnp
+
+    return jnp.minimum(nk, ((qi + 1) * block_q + block_k - 1) // block_k)
+
+
+def _trip(pid: Any, n: int, dynamic_loop: bool) -> Any:
+    """A loop bound ``n``; traced when ``dynamic_loop``: the interpreter then keeps a while
+    loop, as its scan form (static bounds) mis-types shard_map's varying axes in the carry
+    (jax 0.10)."""
+    import jax.numpy as jnp
+
+    return jnp.maximum(pid * 0 + n, 0) if dynamic_loop else n
+
+
 def _kernel(*refs: Any, has_mask: bool, causal: bool, scale: float, block_q: int,
             block_k: int, sk: int, nk: int, acc_dtype: Any, dynamic_loop: bool) -> None:
-    """One (batch*head, query block) instance: online softmax over the key blocks."""
+    """One (batch*head, query block) instance: online softmax over the key blocks; writes the
+    output tile and the rows' log-sum-exp."""
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import pallas as pl
 
     if has_mask:
-        q_ref, k_ref, v_ref, m_ref, o_ref = refs
+        q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref = refs
     else:
-        q_ref, k_ref, v_ref, o_ref = refs
+        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
         m_ref = None
     qi = pl.program_id(1)
     hi = lax.Precision.HIGHEST
@@ -144,91 +162,379 @@ def _kernel(*refs: Any, has_mask: bool, causal: bool, scale: float, block_q: int
 
     init = (jnp.full((block_q, 1), -jnp.inf, acc_dtype), jnp.zeros((block_q, 1), acc_dtype),
             jnp.zeros((block_q, dvp), acc_dtype))
-    if causal:  # top-left aligned: the last query of this block sees keys < (qi + 1) * block_q
-        upper = jnp.minimum(nk, ((qi + 1) * block_q + block_k - 1) // block_k)
-    elif dynamic_loop:
-        # a traced trip count keeps the interpreter on a while loop: its scan form (static
-        # bounds) mis-types shard_map's varying axes in the carry (jax 0.10)
-        upper = jnp.maximum(qi * 0 + nk, 0)
-    else:
-        upper = nk
-    _, l_fin, acc = lax.fori_loop(0, upper, step, init)
+    upper = (_causal_upper(qi, block_q, block_k, nk) if causal
+             else _trip(qi, nk, dynamic_loop))
+    m_fin, l_fin, acc = lax.fori_loop(0, upper, step, init)
     # Dead (no key attended, every score -inf): l is exactly 0 and acc is 0. A NaN score makes
     # l NaN, even where the max reduction skips NaN (XLA:CPU's does), and NaN is alive: the
     # test is l == 0, never "l > 0" (which took NaN rows for empty ones and wrote zeros).
-    out = acc / jnp.where(l_fin == 0, jnp.ones_like(l_fin), l_fin)
+    dead = l_fin == 0
+    out = acc / jnp.where(dead, jnp.ones_like(l_fin), l_fin)
     o_ref[...] = out.astype(o_ref.dtype)
+    # l is relative to the last shift (m, or 0 for a row that kept nothing): lse = m + log l,
+    # -inf for a dead row (log 0), NaN wherever l is NaN (the row's output is NaN too)
+    shift = jnp.where(m_fin == -jnp.inf, jnp.zeros_like(m_fin), m_fin)
+    lse = jnp.where(dead, jnp.full_like(l_fin, -jnp.inf),
+                    shift + jnp.log(jnp.where(dead, jnp.ones_like(l_fin), l_fin)))
+    lse_ref[...] = lse[:, 0].astype(lse_ref.dtype)
+
+
+def _delta_kernel(*refs: Any, has_glse: bool, acc_dtype: Any) -> None:
+    """Backward preprocess, one (batch*head, query block) instance: delta_i = dO_i . O_i, less
+    the log-sum-exp's cotangent (dS = P (dP - delta + g_lse) = P (dP - delta'))."""
+    import jax.numpy as jnp
+
+    if has_glse:
+        o_ref, do_ref, g_ref, d_ref = refs
+    else:
+        o_ref, do_ref, d_ref = refs
+        g_ref = None
+    d = jnp.sum(o_ref[...].astype(acc_dtype) * do_ref[...].astype(acc_dtype), axis=1)
+    if g_ref is not None:
+        d = d - g_ref[...].astype(acc_dtype)
+    d_ref[...] = d.astype(d_ref.dtype)
+
+
+def _probs(qs: Any, kb: Any, lse: Any, keep: Any, acc_dtype: Any) -> Any:
+    """P = exp(s - lse) on the kept keys, 0 elsewhere and on a dead row (lse = -inf)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    s = lax.dot_general(qs, kb, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                        preferred_element_type=acc_dtype)
+    # a dead row's lse is -inf: shift by +inf instead, so every exp is exactly 0 (never the
+    # NaN of -inf - -inf)
+    lse = jnp.where(lse == -jnp.inf, jnp.full_like(lse, jnp.inf), lse)
+    return jnp.where(keep, jnp.exp(s - lse[:, None]), jnp.zeros_like(s))
+
+
+def _finite_v(vb: Any) -> Any:
+    """v with its non-finite entries zeroed, as it enters p.v (attention.semantics)."""
+    import jax.numpy as jnp
+
+    return jnp.where(jnp.isfinite(vb), vb, jnp.zeros_like(vb))
+
+
+def _dkdv_kernel(*refs: Any, has_mask: bool, mask_heads: bool, causal: bool, scale: float,
+                 block_q: int, block_k: int, sq: int, sk: int, nq: int, group: int,
+                 acc_dtype: Any, dynamic_loop: bool) -> None:
+    """One (batch*kv head, key block) instance: dK and dV of its keys, summed over the query
+    blocks and over the group's Hq/Hkv query heads (GQA's sum stays in the kernel)."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    if has_mask:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, m_ref, dk_ref, dv_ref = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref = refs
+        m_ref = None
+    kj = pl.program_id(1)
+    hi = lax.Precision.HIGHEST
+    dims_tn = (((0,), (0,)), ((), ()))  # A^T . B over the query rows
+    dims_nt = (((1,), (1,)), ((), ()))  # A . B^T over the head dim
+    dp, dvp = dk_ref.shape[-1], dv_ref.shape[-1]
+    kstart = kj * block_k
+    # causal: query blocks wholly above this key block (every query < its first key) are
+    # skipped; padded keys and padded query rows never count
+    lo = jnp.minimum(kstart // block_q, nq) if causal else 0
+
+    def head(g: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+        def step(i: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+            dk, dv = carry
+            start = pl.multiple_of(i * block_q, block_q)
+            kb = k_ref[...].astype(acc_dtype)
+            vb = _finite_v(v_ref[...].astype(acc_dtype))
+            qs = q_ref[g, pl.ds(start, block_q), :].astype(acc_dtype) * scale
+            do = do_ref[g, pl.ds(start, block_q), :].astype(acc_dtype)
+            qidx = start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+            kidx = kstart + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+            keep = jnp.logical_and(kidx < sk, qidx < sq)
+            if causal:
+                keep = jnp.logical_and(keep, kidx <= qidx)
+            if m_ref is not None:
+                keep = jnp.logical_and(keep, m_ref[g if mask_heads else 0,
+                                                   pl.ds(start, block_q), :] != 0)
+            p = _probs(qs, kb, lse_ref[g, pl.ds(start, block_q)].astype(acc_dtype), keep,
+                       acc_dtype)
+            dv = dv + lax.dot_general(p, do, dims_tn, precision=hi,
+                                      preferred_element_type=acc_dtype)
+            dpv = lax.dot_general(do, vb, dims_nt, precision=hi,
+                                  preferred_element_type=acc_dtype)
+            delta = d_ref[g, pl.ds(start, block_q)].astype(acc_dtype)
+            ds = p * (dpv - delta[:, None])
+            dk = dk + lax.dot_general(ds, qs, dims_tn, precision=hi,
+                                      preferred_element_type=acc_dtype)
+            return dk, dv
+
+        return lax.fori_loop(lo, _trip(kj, nq, dynamic_loop), step, carry)
+
+    init = (jnp.zeros((block_k, dp), acc_dtype), jnp.zeros((block_k, dvp), acc_dtype))
+    dk, dv = lax.fori_loop(0, _trip(kj, group, dynamic_loop), head, init)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs: Any, has_mask: bool, causal: bool, scale: float, block_q: int,
+               block_k: int, sk: int, nk: int, acc_dtype: Any, dynamic_loop: bool) -> None:
+    """One (batch*head, query block) instance: dQ = scale dS . K over its kv head's keys."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    if has_mask:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, m_ref, dq_ref = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dq_ref = refs
+        m_ref = None
+    qi = pl.program_id(1)
+    hi = lax.Precision.HIGHEST
+
+    def step(j: Any, dq: Any) -> Any:
+        start = pl.multiple_of(j * block_k, block_k)
+        kb = k_ref[pl.ds(start, block_k), :].astype(acc_dtype)
+        vb = _finite_v(v_ref[pl.ds(start, block_k), :].astype(acc_dtype))
+        qs = q_ref[...].astype(acc_dtype) * scale
+        do = do_ref[...].astype(acc_dtype)
+        kidx = start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+        keep = kidx < sk
+        if causal:
+            qidx = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+            keep = jnp.logical_and(keep, kidx <= qidx)
+        if m_ref is not None:
+            keep = jnp.logical_and(keep, m_ref[:, pl.ds(start, block_k)] != 0)
+        p = _probs(qs, kb, lse_ref[...].astype(acc_dtype), keep, acc_dtype)
+        dpv = lax.dot_general(do, vb, (((1,), (1,)), ((), ())), precision=hi,
+                              preferred_element_type=acc_dtype)
+        ds = p * (dpv - d_ref[...].astype(acc_dtype)[:, None]) * scale
+        return dq + lax.dot_general(ds, kb, (((1,), (0,)), ((), ())), precision=hi,
+                                    preferred_element_type=acc_dtype)
+
+    upper = (_causal_upper(qi, block_q, block_k, nk) if causal
+             else _trip(qi, nk, dynamic_loop))
+    dq = lax.fori_loop(0, upper, step, jnp.zeros(dq_ref.shape, acc_dtype))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+class _Layout:
+    """Block sizes, padded extents and the padded mask of one call (forward and backward)."""
+
+    def __init__(self, q: Any, k: Any, v: Any, mask: Any, platform: str,
+                 blocks: dict[str, int]) -> None:
+        import jax.numpy as jnp
+
+        self.B, self.Hq, self.Sq, self.D = q.shape
+        self.Hkv, self.Sk, self.Dv = k.shape[1], k.shape[2], v.shape[3]
+        self.group = self.Hq // self.Hkv
+        self.acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+        self.bq = _fit_block(blocks["block_q"], self.Sq, platform)
+        self.bk = _fit_block(blocks["block_k"], max(self.Sk, 1), platform)
+        self.sqp, self.skp = _round_up(self.Sq, self.bq), _round_up(self.Sk, self.bk)
+        self.dp, self.dvp = _pad_head(self.D, platform), _pad_head(self.Dv, platform)
+        self.nq, self.nk = self.sqp // self.bq, self.skp // self.bk
+        self.m4 = None
+        self.mb = self.mh = 1
+        if mask is not None:
+            m4 = jnp.reshape(mask, (1,) * (4 - mask.ndim) + tuple(mask.shape))
+            self.mb = self.B if m4.shape[0] != 1 else 1  # broadcast dims stay unmaterialised
+            self.mh = self.Hq if m4.shape[1] != 1 else 1
+            m4 = jnp.broadcast_to(m4, (self.mb, self.mh, self.Sq, self.Sk))
+            self.m4 = jnp.pad(m4, ((0, 0), (0, 0), (0, self.sqp - self.Sq),
+                                   (0, self.skp - self.Sk))).astype(jnp.int8)
+
+    def pad(self, x: Any, s: int, d: int) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.pad(x, ((0, 0), (0, 0), (0, s - x.shape[2]), (0, d - x.shape[3])))
+
+    def pad_rows(self, x: Any) -> Any:
+        """(B, Hq, Sq) row statistics -> (B, Hq, Sqp)."""
+        import jax.numpy as jnp
+
+        return jnp.pad(x, ((0, 0), (0, 0), (0, self.sqp - self.Sq)))
 
 
 def _forward(q: Any, k: Any, v: Any, mask: Any, *, causal: bool, scale: float | None,
-             interpret: bool, platform: str, blocks: dict[str, int]) -> Any:
-    """The fused forward pass on concrete or traced arrays of any (validated) shape."""
+             interpret: bool, platform: str, blocks: dict[str, int]) -> tuple[Any, Any]:
+    """The fused forward pass on concrete or traced arrays of any (validated) shape:
+    (out, lse), lse (B, Hq, Sq) in the compute dtype."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
     B, Hq, Sq, D = q.shape
-    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Sk, Dv = k.shape[2], v.shape[3]
     out_dtype = q.dtype
     if scale is None:
         scale = 1.0 / math.sqrt(D) if D else 1.0
-    if 0 in (B, Hq, Sq, Dv) or Sk == 0:  # nothing to attend: rows of zeros (never NaN)
-        return jnp.zeros((B, Hq, Sq, Dv), out_dtype)
     acc_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-    group = Hq // Hkv
-    bq = _fit_block(blocks["block_q"], Sq, platform)
-    bk = _fit_block(blocks["block_k"], Sk, platform)
-    sqp, skp = _round_up(Sq, bq), _round_up(Sk, bk)
-    dp, dvp = _pad_head(D, platform), _pad_head(Dv, platform)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, sqp - Sq), (0, dp - D)))
-    k = jnp.pad(k, ((0, 0), (0, 0), (0, skp - Sk), (0, dp - D)))
-    v = jnp.pad(v, ((0, 0), (0, 0), (0, skp - Sk), (0, dvp - Dv)))
-    nq, nk = sqp // bq, skp // bk
+    if 0 in (B, Hq, Sq) or Sk == 0:  # nothing to attend: rows of zeros (never NaN)
+        return (jnp.zeros((B, Hq, Sq, Dv), out_dtype),
+                jnp.full((B, Hq, Sq), -jnp.inf, acc_dtype))
+    lay = _Layout(q, k, v, mask, platform, blocks)
+    bq, dp, dvp, group = lay.bq, lay.dp, lay.dvp, lay.group
+    q = lay.pad(q, lay.sqp, dp)
+    k = lay.pad(k, lay.skp, dp)
+    v = lay.pad(v, lay.skp, dvp)
     sq_dim = getattr(pl, "squeezed", None)  # None on older jax means the same thing
 
     def q_map(bh: Any, i: Any) -> tuple[Any, ...]:
         return (bh // Hq, bh % Hq, i, 0)
 
+    def row_map(bh: Any, i: Any) -> tuple[Any, ...]:
+        return (bh // Hq, bh % Hq, i)
+
     def kv_map(bh: Any, i: Any) -> tuple[Any, ...]:
         return (bh // Hq, (bh % Hq) // group, 0, 0)
 
     in_specs = [pl.BlockSpec((sq_dim, sq_dim, bq, dp), q_map),
-                pl.BlockSpec((sq_dim, sq_dim, skp, dp), kv_map),
-                pl.BlockSpec((sq_dim, sq_dim, skp, dvp), kv_map)]
+                pl.BlockSpec((sq_dim, sq_dim, lay.skp, dp), kv_map),
+                pl.BlockSpec((sq_dim, sq_dim, lay.skp, dvp), kv_map)]
     args = [q, k, v]
-    if mask is not None:
-        m4 = jnp.reshape(mask, (1,) * (4 - mask.ndim) + tuple(mask.shape))
-        mb = B if m4.shape[0] != 1 else 1  # keep broadcast batch/head dims unmaterialised
-        mh = Hq if m4.shape[1] != 1 else 1
-        m4 = jnp.broadcast_to(m4, (mb, mh, Sq, Sk))
-        m4 = jnp.pad(m4, ((0, 0), (0, 0), (0, sqp - Sq), (0, skp - Sk))).astype(jnp.int8)
+    if lay.m4 is not None:
+        mb, mh = lay.mb, lay.mh
 
         def m_map(bh: Any, i: Any) -> tuple[Any, ...]:
             b = bh // Hq if mb > 1 else 0
             h = bh % Hq if mh > 1 else 0
             return (b, h, i, 0)
 
-        in_specs.append(pl.BlockSpec((sq_dim, sq_dim, bq, skp), m_map))
-        args.append(m4)
-    kernel = _bind(_kernel, has_mask=mask is not None, causal=causal, scale=float(scale),
-                   block_q=bq, block_k=bk, sk=Sk, nk=nk, acc_dtype=acc_dtype,
+        in_specs.append(pl.BlockSpec((sq_dim, sq_dim, bq, lay.skp), m_map))
+        args.append(lay.m4)
+    kernel = _bind(_kernel, has_mask=lay.m4 is not None, causal=causal, scale=float(scale),
+                   block_q=bq, block_k=lay.bk, sk=Sk, nk=lay.nk, acc_dtype=acc_dtype,
                    dynamic_loop=interpret)
-    args, out_shape = _out_like(args, (B, Hq, sqp, dvp), out_dtype)
-    out = pl.pallas_call(
+    args, out_shape = _outs_like(args, [((B, Hq, lay.sqp, dvp), out_dtype),
+                                        ((B, Hq, lay.sqp), acc_dtype)])
+    out, lse = pl.pallas_call(
         kernel,
-        out_shape=out_shape,
-        grid=(B * Hq, nq),
+        out_shape=tuple(out_shape),
+        grid=(B * Hq, lay.nq),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((sq_dim, sq_dim, bq, dvp), q_map),
+        out_specs=(pl.BlockSpec((sq_dim, sq_dim, bq, dvp), q_map),
+                   pl.BlockSpec((sq_dim, sq_dim, bq), row_map)),
         interpret=interpret,
         name="portakern_attention",
     )(*args)
-    return out[:, :, :Sq, :Dv]
+    return out[:, :, :Sq, :Dv], lse[:, :, :Sq]
 
 
-def _out_like(args: list[Any], shape: tuple[int, ...], dtype: Any) -> tuple[list[Any], Any]:
-    """Output struct that varies over the mesh axes the inputs vary over (shard_map).
+def _backward(q: Any, k: Any, v: Any, mask: Any, out: Any, lse: Any, g: Any, g_lse: Any, *,
+              causal: bool, scale: float | None, interpret: bool, platform: str,
+              blocks: dict[str, int]) -> tuple[Any, Any, Any]:
+    """The fused backward pass (FlashAttention-2): (dq, dk, dv) in the inputs' dtypes from
+    the forward's out and lse and the cotangents g (of out) and g_lse (of lse, or None)."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
 
-    Under ``shard_map(check_vma=True)`` a pallas_call must state how its output varies
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D else 1.0
+    if 0 in (B, Hq, Sq) or Sk == 0:  # no key attended anywhere: every gradient is 0
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    lay = _Layout(q, k, v, mask, platform, blocks)
+    bq, bk, dp, dvp, group = lay.bq, lay.bk, lay.dp, lay.dvp, lay.group
+    sqp, skp, acc = lay.sqp, lay.skp, lay.acc
+    sq_dim = getattr(pl, "squeezed", None)
+    qp, kp, vp = lay.pad(q, sqp, dp), lay.pad(k, skp, dp), lay.pad(v, skp, dvp)
+    op, gp = lay.pad(out, sqp, dvp), lay.pad(g, sqp, dvp)
+    lsep = lay.pad_rows(lse)
+    has_mask = lay.m4 is not None
+
+    def q_map(bh: Any, i: Any) -> tuple[Any, ...]:
+        return (bh // Hq, bh % Hq, i, 0)
+
+    def row_map(bh: Any, i: Any) -> tuple[Any, ...]:
+        return (bh // Hq, bh % Hq, i)
+
+    # 1. delta = rowsum(dO * O) - g_lse
+    args = [op, gp]
+    in_specs = [pl.BlockSpec((sq_dim, sq_dim, bq, dvp), q_map)] * 2
+    if g_lse is not None:
+        args.append(lay.pad_rows(g_lse))
+        in_specs.append(pl.BlockSpec((sq_dim, sq_dim, bq), row_map))
+    args, (d_shape,) = _outs_like(args, [((B, Hq, sqp), acc)])
+    delta = pl.pallas_call(
+        _bind(_delta_kernel, has_glse=g_lse is not None, acc_dtype=acc),
+        out_shape=d_shape, grid=(B * Hq, lay.nq), in_specs=in_specs,
+        out_specs=pl.BlockSpec((sq_dim, sq_dim, bq), row_map),
+        interpret=interpret, name="portakern_attention_bwd_delta",
+    )(*args)
+
+    # 2. dK, dV: one instance per (batch*kv head, key block); the group's query heads are one
+    # block (heads h*group .. h*group + group - 1 of q, dO, lse, delta)
+    def grp_map(bh: Any, j: Any) -> tuple[Any, ...]:
+        return (bh // Hkv, bh % Hkv, 0, 0)
+
+    def grp_rows(bh: Any, j: Any) -> tuple[Any, ...]:
+        return (bh // Hkv, bh % Hkv, 0)
+
+    def kblk_map(bh: Any, j: Any) -> tuple[Any, ...]:
+        return (bh // Hkv, bh % Hkv, j, 0)
+
+    args = [qp, kp, vp, gp, lsep, delta]
+    in_specs = [pl.BlockSpec((sq_dim, group, sqp, dp), grp_map),
+                pl.BlockSpec((sq_dim, sq_dim, bk, dp), kblk_map),
+                pl.BlockSpec((sq_dim, sq_dim, bk, dvp), kblk_map),
+                pl.BlockSpec((sq_dim, group, sqp, dvp), grp_map),
+                pl.BlockSpec((sq_dim, group, sqp), grp_rows),
+                pl.BlockSpec((sq_dim, group, sqp), grp_rows)]
+    if has_mask:
+        mb, mh = lay.mb, lay.mh
+
+        def m_kmap(bh: Any, j: Any) -> tuple[Any, ...]:
+            return (bh // Hkv if mb > 1 else 0, bh % Hkv if mh > 1 else 0, 0, j)
+
+        in_specs.append(pl.BlockSpec((sq_dim, group if mh > 1 else 1, sqp, bk), m_kmap))
+        args.append(lay.m4)
+    kernel = _bind(_dkdv_kernel, has_mask=has_mask, mask_heads=lay.mh > 1, causal=causal,
+                   scale=float(scale), block_q=bq, block_k=bk, sq=Sq, sk=Sk, nq=lay.nq,
+                   group=group, acc_dtype=acc, dynamic_loop=interpret)
+    args, shapes = _outs_like(args, [((B, Hkv, skp, dp), k.dtype),
+                                     ((B, Hkv, skp, dvp), v.dtype)])
+    dk, dv = pl.pallas_call(
+        kernel, out_shape=tuple(shapes), grid=(B * Hkv, lay.nk), in_specs=in_specs,
+        out_specs=(pl.BlockSpec((sq_dim, sq_dim, bk, dp), kblk_map),
+                   pl.BlockSpec((sq_dim, sq_dim, bk, dvp), kblk_map)),
+        interpret=interpret, name="portakern_attention_bwd_dkdv",
+    )(*args)
+
+    # 3. dQ: one instance per (batch*q head, query block), as the forward
+    def kv_map(bh: Any, i: Any) -> tuple[Any, ...]:
+        return (bh // Hq, (bh % Hq) // group, 0, 0)
+
+    args = [qp, kp, vp, gp, lsep, delta]
+    in_specs = [pl.BlockSpec((sq_dim, sq_dim, bq, dp), q_map),
+                pl.BlockSpec((sq_dim, sq_dim, skp, dp), kv_map),
+                pl.BlockSpec((sq_dim, sq_dim, skp, dvp), kv_map),
+                pl.BlockSpec((sq_dim, sq_dim, bq, dvp), q_map),
+                pl.BlockSpec((sq_dim, sq_dim, bq), row_map),
+                pl.BlockSpec((sq_dim, sq_dim, bq), row_map)]
+    if has_mask:
+        mb, mh = lay.mb, lay.mh
+
+        def m_map(bh: Any, i: Any) -> tuple[Any, ...]:
+            return (bh // Hq if mb > 1 else 0, bh % Hq if mh > 1 else 0, i, 0)
+
+        in_specs.append(pl.BlockSpec((sq_dim, sq_dim, bq, skp), m_map))
+        args.append(lay.m4)
+    kernel = _bind(_dq_kernel, has_mask=has_mask, causal=causal, scale=float(scale),
+                   block_q=bq, block_k=bk, sk=Sk, nk=lay.nk, acc_dtype=acc,
+                   dynamic_loop=interpret)
+    args, (dq_shape,) = _outs_like(args, [((B, Hq, sqp, dp), q.dtype)])
+    dq = pl.pallas_call(
+        kernel, out_shape=dq_shape, grid=(B * Hq, lay.nq), in_specs=in_specs,
+        out_specs=pl.BlockSpec((sq_dim, sq_dim, bq, dp), q_map),
+        interpret=interpret, name="portakern_attention_bwd_dq",
+    )(*args)
+    return dq[:, :, :Sq, :D], dk[:, :, :Sk, :D], dv[:, :, :Sk, :lay.Dv]
+
+
+def _outs_like(args: list[Any], outs: list[tuple[tuple[int, ...], Any]]
+               ) -> tuple[list[Any], list[Any]]:
+    """Output structs that vary over the mesh axes the inputs vary over (shard_map).
+
+    Under ``shard_map(check_vma=True)`` a pallas_call must state how its outputs vary
     across manual mesh axes. The output of a per-shard kernel varies wherever any input does,
     so inputs are first cast to vary over the union (a no-op outside shard_map). Covers the
     ``manual_axis_type`` (newer) and ``vma`` (older) spellings; jax without either needs none.
@@ -238,7 +544,7 @@ def _out_like(args: list[Any], shape: tuple[int, ...], dtype: Any) -> tuple[list
 
     typeof = getattr(jax, "typeof", None)
     if typeof is None:
-        return args, jax.ShapeDtypeStruct(shape, dtype)
+        return args, [jax.ShapeDtypeStruct(s, d) for s, d in outs]
 
     def varying(x: Any) -> frozenset:
         aval = typeof(x)
@@ -248,43 +554,44 @@ def _out_like(args: list[Any], shape: tuple[int, ...], dtype: Any) -> tuple[list
     union = frozenset().union(*(varying(a) for a in args))
     if union:
         cast = getattr(lax, "pcast", None)
-        out = []
+        cast_args = []
         for a in args:
             rest = tuple(sorted(union - varying(a), key=str))
             if rest:
                 a = cast(a, rest, to="varying") if cast is not None else lax.pvary(a, rest)
-            out.append(a)
-        args = out
+            cast_args.append(a)
+        args = cast_args
     aval = typeof(args[0])
     if hasattr(aval, "mat"):
-        return args, jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.mat)
+        return args, [jax.ShapeDtypeStruct(s, d, manual_axis_type=aval.mat) for s, d in outs]
     if hasattr(aval, "vma"):
-        return args, jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
-    return args, jax.ShapeDtypeStruct(shape, dtype)
+        return args, [jax.ShapeDtypeStruct(s, d, vma=aval.vma) for s, d in outs]
+    return args, [jax.ShapeDtypeStruct(s, d) for s, d in outs]
 
 
-def _per_shard(local: Callable[..., Any], q: Any, k: Any, v: Any, mask: Any) -> Any:
-    """Run ``local`` once per shard when the inputs carry explicit shardings.
+def _shard_plan(q: Any, k: Any, v: Any, mask: Any) -> dict[str, Any] | None:
+    """How to run per shard when the inputs carry explicit shardings, or None.
 
     With explicit sharding in types (``AxisType.Explicit`` meshes) a kernel's refs would be
-    sharded, which Pallas does not slice. Attention is independent per (batch, head), so we
-    run the kernel per shard under ``shard_map``: batch and head dims keep q's sharding,
+    sharded, which Pallas does not slice. Attention is independent per (batch, head), so the
+    kernels run per shard under ``shard_map``: batch and head dims keep q's sharding,
     sequence and head dims are gathered. K/V heads follow q's head sharding (so query head h
     and its kv head h // group land on the same shard); when Hkv does not split that way,
     heads are gathered and only the batch stays sharded. Inputs without explicit shardings
-    (plain arrays, GSPMD auto axes, already inside shard_map) call ``local`` directly.
+    (plain arrays, GSPMD auto axes, already inside shard_map) give None: call directly.
+    The plan's specs: "q" (B, Hq, ...), "kv" (B, Hkv, ...), "row" (B, Hq, Sq), and
+    "b", "h" for the mask's non-broadcast dims.
     """
     import jax
-    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     typeof = getattr(jax, "typeof", None)
     if typeof is None or not hasattr(jax.sharding, "reshard"):
-        return local(q, k, v, mask)
+        return None
     operands = [x for x in (q, k, v, mask) if x is not None]
     specs = [getattr(getattr(typeof(x), "sharding", None), "spec", None) for x in operands]
     if not any(sp is not None and any(e is not None for e in sp) for sp in specs):
-        return local(q, k, v, mask)
+        return None
     mesh = typeof(q).sharding.mesh
     for x, sp in zip(operands, specs, strict=True):
         if sp is not None and any(e is not None for e in sp):
@@ -307,23 +614,40 @@ def _per_shard(local: Callable[..., Any], q: Any, k: Any, v: Any, mask: Any) -> 
     if h_ax is not None and (Hq % size(h_ax) or (Hkv != 1 and Hkv % size(h_ax))):
         h_ax = None  # the GQA grouping would not stay on one shard: gather heads
     kv_h = h_ax if Hkv != 1 else None
-    q_spec, kv_spec = P(b_ax, h_ax, None, None), P(b_ax, kv_h, None, None)
+    return {"mesh": mesh, "b": b_ax, "h": h_ax, "q": P(b_ax, h_ax, None, None),
+            "kv": P(b_ax, kv_h, None, None), "row": P(b_ax, h_ax, None)}
 
-    def reshard(x: Any, spec: Any) -> Any:
-        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
-    q, k, v = reshard(q, q_spec), reshard(k, kv_spec), reshard(v, kv_spec)
-    if mask is None:
-        return jax.shard_map(lambda a, b, c: local(a, b, c, None), mesh=mesh,
-                             in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)(q, k, v)
+def _sharded(local: Callable[..., Any], plan: dict[str, Any],
+             operands: list[tuple[Any, str]], out_kinds: tuple[str, ...]) -> Any:
+    """``local(*operands)`` per shard under shard_map; operands are (array or None, kind),
+    kind a plan spec name or "mask"; None operands stay None inside."""
+    import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    m4 = jnp.reshape(mask, (1,) * (4 - mask.ndim) + tuple(mask.shape))
-    m_spec = P(b_ax if m4.shape[0] != 1 else None, h_ax if m4.shape[1] != 1 else None,
-               None, None)
-    m4 = reshard(m4, m_spec)
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, m_spec),
-                         out_specs=q_spec)(q, k, v, m4)
+    mesh = plan["mesh"]
+    args, specs, present = [], [], []
+    for x, kind in operands:
+        present.append(x is not None)
+        if x is None:
+            continue
+        if kind == "mask":
+            x = jnp.reshape(x, (1,) * (4 - x.ndim) + tuple(x.shape))
+            spec = P(plan["b"] if x.shape[0] != 1 else None,
+                     plan["h"] if x.shape[1] != 1 else None, None, None)
+        else:
+            spec = plan[kind]
+        args.append(jax.sharding.reshard(x, NamedSharding(mesh, spec)))
+        specs.append(spec)
+
+    def run(*xs: Any) -> Any:
+        it = iter(xs)
+        return local(*[next(it) if p else None for p in present])
+
+    return jax.shard_map(run, mesh=mesh, in_specs=tuple(specs),
+                         out_specs=tuple(plan[k] for k in out_kinds))(*args)
 
 
 def _bind(fn: Callable[..., Any], **static: Any) -> Callable[..., Any]:
@@ -333,67 +657,79 @@ def _bind(fn: Callable[..., Any], **static: Any) -> Callable[..., Any]:
     return bound
 
 
-def _default_reference(semantics: Callable[..., Any], causal: bool, scale: float | None
-                       ) -> Callable[..., Any]:
-    """Unfused semantics in the compute dtype at HIGHEST precision (the backward's forward)."""
-    import jax
-    import jax.numpy as jnp
-
-    def ref(q: Any, k: Any, v: Any, mask: Any) -> Any:
-        acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-        with jax.default_matmul_precision("highest"):
-            out = semantics(jnp, q.astype(acc), k.astype(acc), v.astype(acc), mask,
-                            causal=causal, scale=scale)
-        return out.astype(q.dtype)
-
-    return ref
-
-
 def build(problem: Problem, interpret: bool, *, block_q: int | None = None,
           block_k: int | None = None, platform: str | None = None,
           reference: Callable[..., Any] | None = None,
           semantics: Callable[..., Any] | None = None) -> Callable[..., Any]:
-    """Build ``fn(q, k, v, mask) -> out``: the fused kernel with the unfused VJP.
+    """Build ``fn(q, k, v, mask)``: the fused kernel with the fused backward (custom_vjp).
 
-    Only the problem's static parameters (causal, scale) are read; shapes come from the
-    arrays at trace time, so one built function serves every shape (and vmap/shard_map).
-    ``interpret=True`` runs the kernel through Pallas' interpreter (CPU, tests).
-    ``platform`` ('cpu' | 'gpu' | 'tpu') picks block/padding rules; default: interpret ->
-    'cpu', else jax.default_backend(). ``reference(q, k, v, mask)`` is the unfused function
-    whose VJP is the backward pass; the JAX backend passes its own XLA lowering.
+    ``fn`` returns ``out`` (B, Hq, Sq, Dv) in q's dtype, or ``(out, lse)`` when
+    ``problem.params["return_lse"]`` is true (missing: False); lse is (B, Hq, Sq), float32
+    (float64 for float64 inputs): log sum_j exp(s_ij) over the keys row i attends, -inf for a
+    row with none, NaN where the output row is NaN. Both outputs are differentiable.
+
+    Only the problem's static parameters (causal, scale, return_lse) are read; shapes come
+    from the arrays at trace time, so one built function serves every shape (and
+    vmap/shard_map). ``interpret=True`` runs the kernels through Pallas' interpreter (CPU,
+    tests). ``platform`` ('cpu' | 'gpu' | 'tpu') picks block/padding rules; default:
+    interpret -> 'cpu', else jax.default_backend(). ``reference`` and ``semantics`` (the
+    unfused function the backward once differentiated) are accepted and unused: the backward
+    is fused too.
     """
     import jax
 
+    del reference, semantics  # the backward no longer differentiates an unfused forward
     causal = bool(problem.params.get("causal", False))
     scale = problem.params.get("scale")
+    return_lse = bool(problem.params.get("return_lse", False))
     if platform is None:
         platform = "cpu" if interpret else jax.default_backend()
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
     overrides = {n: v for n, v in (("block_q", block_q), ("block_k", block_k)) if v is not None}
     blocks = block_config(platform, overrides)
-    if reference is None and semantics is None:
-        raise InvalidArgumentError("attention_pallas.build needs reference= or semantics= "
-                                   "(the op's semantics, for the backward's forward)")
-    ref = reference if reference is not None else _default_reference(semantics, causal, scale)
+    static = {"causal": causal, "scale": scale, "interpret": interpret, "platform": platform,
+              "blocks": blocks}
 
-    def local(q: Any, k: Any, v: Any, mask: Any) -> Any:
-        return _forward(q, k, v, mask, causal=causal, scale=scale, interpret=interpret,
-                        platform=platform, blocks=blocks)
+    def local_fwd(q: Any, k: Any, v: Any, mask: Any) -> tuple[Any, Any]:
+        return _forward(q, k, v, mask, **static)
 
-    def forward(q: Any, k: Any, v: Any, mask: Any) -> Any:
-        return _per_shard(local, q, k, v, mask)
+    def local_bwd(q: Any, k: Any, v: Any, mask: Any, out: Any, lse: Any, g: Any,
+                  g_lse: Any) -> tuple[Any, Any, Any]:
+        return _backward(q, k, v, mask, out, lse, g, g_lse, **static)
+
+    def forward(q: Any, k: Any, v: Any, mask: Any) -> tuple[Any, Any]:
+        plan = _shard_plan(q, k, v, mask)
+        if plan is None:
+            return local_fwd(q, k, v, mask)
+        return _sharded(local_fwd, plan, [(q, "q"), (k, "kv"), (v, "kv"), (mask, "mask")],
+                        ("q", "row"))
+
+    def backward(q: Any, k: Any, v: Any, mask: Any, out: Any, lse: Any, g: Any,
+                 g_lse: Any) -> tuple[Any, Any, Any]:
+        plan = _shard_plan(q, k, v, mask)
+        if plan is None:
+            return local_bwd(q, k, v, mask, out, lse, g, g_lse)
+        grads = _sharded(local_bwd, plan, [(q, "q"), (k, "kv"), (v, "kv"), (mask, "mask"),
+                                           (out, "q"), (lse, "row"), (g, "q"),
+                                           (g_lse, "row")], ("q", "kv", "kv"))
+        # cotangents carry their primal's sharding
+        return tuple(jax.sharding.reshard(d, jax.typeof(x).sharding)
+                     for d, x in zip(grads, (q, k, v), strict=True))
 
     @jax.custom_vjp
     def fused(q: Any, k: Any, v: Any, mask: Any) -> Any:
-        return forward(q, k, v, mask)
+        out, lse = forward(q, k, v, mask)
+        return (out, lse) if return_lse else out
 
     def fused_fwd(q: Any, k: Any, v: Any, mask: Any) -> tuple[Any, tuple[Any, ...]]:
-        return forward(q, k, v, mask), (q, k, v, mask)
+        out, lse = forward(q, k, v, mask)  # lse is a residual even when not returned
+        return ((out, lse) if return_lse else out), (q, k, v, mask, out, lse)
 
     def fused_bwd(res: tuple[Any, ...], g: Any) -> tuple[Any, ...]:
-        q, k, v, mask = res
-        out, vjp = jax.vjp(lambda a, b, c: ref(a, b, c, mask), q, k, v)
-        dq, dk, dv = vjp(g.astype(out.dtype))  # the reference rounds to the problem dtype
+        q, k, v, mask, out, lse = res
+        g_out, g_lse = g if return_lse else (g, None)
+        g_lse = None if g_lse is None else g_lse.astype(lse.dtype)
+        dq, dk, dv = backward(q, k, v, mask, out, lse, g_out.astype(out.dtype), g_lse)
         return dq, dk, dv, None  # the boolean mask has no cotangent
 
     fused.defvjp(fused_fwd, fused_bwd)
