@@ -179,19 +179,30 @@ def _kernel(*refs: Any, has_mask: bool, causal: bool, scale: float, block_q: int
     lse_ref[...] = lse[:, 0].astype(lse_ref.dtype)
 
 
-def _delta_kernel(*refs: Any, has_glse: bool, acc_dtype: Any) -> None:
+def _delta_kernel(*refs: Any, has_glse: bool, acc_dtype: Any, dynamic_loop: bool) -> None:
     """Backward preprocess, one (batch*head, query block) instance: delta_i = dO_i . O_i, less
     the log-sum-exp's cotangent (dS = P (dP - delta + g_lse) = P (dP - delta'))."""
     import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
 
     if has_glse:
         o_ref, do_ref, g_ref, d_ref = refs
     else:
         o_ref, do_ref, d_ref = refs
         g_ref = None
-    d = jnp.sum(o_ref[...].astype(acc_dtype) * do_ref[...].astype(acc_dtype), axis=1)
-    if g_ref is not None:
-        d = d - g_ref[...].astype(acc_dtype)
+
+    def once(_: Any, d: Any) -> Any:
+        d = d + jnp.sum(o_ref[...].astype(acc_dtype) * do_ref[...].astype(acc_dtype), axis=1)
+        if g_ref is not None:
+            d = d - g_ref[...].astype(acc_dtype)
+        return d
+
+    # a one-trip loop, traced under interpret: the interpreter's grid loop wants the output
+    # typed as its (unvarying) initial value under shard_map, and a while loop's result is
+    # typed by its carry; straight-line code would carry the inputs' varying axes (jax 0.10)
+    d = lax.fori_loop(0, _trip(pl.program_id(1), 1, dynamic_loop), once,
+                      jnp.zeros(d_ref.shape, acc_dtype))
     d_ref[...] = d.astype(d_ref.dtype)
 
 
@@ -455,7 +466,8 @@ def _backward(q: Any, k: Any, v: Any, mask: Any, out: Any, lse: Any, g: Any, g_l
         in_specs.append(pl.BlockSpec((sq_dim, sq_dim, bq), row_map))
     args, (d_shape,) = _outs_like(args, [((B, Hq, sqp), acc)])
     delta = pl.pallas_call(
-        _bind(_delta_kernel, has_glse=g_lse is not None, acc_dtype=acc),
+        _bind(_delta_kernel, has_glse=g_lse is not None, acc_dtype=acc,
+              dynamic_loop=interpret),
         out_shape=d_shape, grid=(B * Hq, lay.nq), in_specs=in_specs,
         out_specs=pl.BlockSpec((sq_dim, sq_dim, bq), row_map),
         interpret=interpret, name="portakern_attention_bwd_delta",
