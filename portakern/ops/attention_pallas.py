@@ -21,11 +21,26 @@ preferred_element_type = compute dtype, and masked scores are -inf with a guarde
 row with no key to attend gives 0, never NaN. That is what lets the kernel meet
 ``attention.SPEC.tolerance`` just like the C kernels.
 
-Gradients: the kernel is wrapped in ``jax.custom_vjp``. The forward pass is the fused kernel;
-the backward pass is the VJP of the *unfused* semantics (``attention.semantics`` lowered with
-jax.numpy at HIGHEST precision), recomputed from the saved q, k, v, mask. It is exact up to
-rounding but materialises the Sq x Sk probabilities in the backward pass (a fused backward
-kernel is future work; see docs/jax.md).
+Log-sum-exp: the forward also writes each row's lse = m + log l (natural log, scale included:
+log sum_j exp(s_ij) over the keys the row attends), float32 (float64 for float64 inputs), -inf
+for a dead row, NaN where the output row is NaN. ``build`` returns ``(out, lse)`` when the
+problem's ``return_lse`` parameter is set (missing: False).
+
+Gradients: the kernel is wrapped in ``jax.custom_vjp`` with residuals (q, k, v, mask, out, lse)
+(lse is computed even when not returned) and a fused FlashAttention-2 backward in three Pallas
+kernels: ``delta_i = dO_i . O_i - g_lse_i`` (one instance per (batch*head, query block)); dK
+and dV (one per (batch*kv head, key block), looping over the query blocks and over the
+Hq/Hkv query heads of its group, so GQA's sum happens in the kernel and K/V are never
+repeated); dQ (one per (batch*head, query block), looping over the key blocks). Each
+recomputes P = exp(s - lse) on the attended keys (0 elsewhere and on a dead row), then
+dV = P^T dO, dP = dO V^T, dS = P (dP - delta), dQ = scale dS K, dK = dS^T (scale q); causal
+blocks wholly masked are skipped. No atomics: every output block has one writer, so the
+result is deterministic. Accumulation is in the compute dtype; gradients come back in the
+inputs' dtypes, the boolean mask gets no cotangent, and fully masked rows give zero
+gradients. The Sq x Sk matrices are never written to memory. Inputs with explicit shardings
+run the backward per shard too. Only finite inputs are held to the float64 gradient (rows
+that are NaN in the forward may give NaN gradients). tests/ops/test_attention_pallas_grad.py
+derives the error bounds.
 
 Nothing here imports jax at module import time: ``import portakern`` must stay jax-free, and
 ``attention.SPEC.pallas`` points at :func:`build`, which imports jax when first called.
