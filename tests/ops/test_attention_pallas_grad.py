@@ -23,6 +23,7 @@ scale dropped from dQ.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Any
 
@@ -38,7 +39,7 @@ from portakern.ops import attention_pallas, get_op  # noqa: E402
 from portakern.ops.attention import keep_matrix  # noqa: E402
 
 SPEC = get_op("attention")
-NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float64": np.float64}
 SAFETY = 2.0  # the bounds above are first order; c = 2 covers the products of two errors
 
 
@@ -107,7 +108,8 @@ def _reference(x: dict[str, Any], scale: float) -> tuple[list[np.ndarray], np.nd
 def grad_bounds(x: dict[str, Any], scale: float, grads: list[np.ndarray], dtype: str
                 ) -> list[np.ndarray]:
     """The derived bounds on |dq|, |dk|, |dv| errors (module docstring), float64 numpy."""
-    u = float(np.finfo(np.float32).eps) / 2
+    compute = np.float64 if dtype == "float64" else np.float32
+    u = float(np.finfo(compute).eps) / 2
     us = float(np.finfo(NP[dtype]).eps) / 2
     q, k, v = (x[n].astype(np.float64) for n in "qkv")
     B, Hq, Sq, D = q.shape
@@ -143,7 +145,7 @@ def grad_bounds(x: dict[str, Any], scale: float, grads: list[np.ndarray], dtype:
     def fold(b: np.ndarray) -> np.ndarray:  # sum the group's query heads onto their kv head
         return b.reshape(B, Hkv, g, *b.shape[2:]).sum(axis=2)
 
-    floor = 64 * float(np.finfo(np.float32).tiny)
+    floor = 64 * float(np.finfo(compute).tiny)
     return [SAFETY * (b + us * np.abs(r)) + floor
             for b, r in zip((bq, fold(bk), fold(bv)), grads, strict=True)]
 
@@ -168,12 +170,19 @@ GRAD_CASES = [
     (2, 4, 2, 24, 17, 16, 8, True, None, "float32", (8, 16)),           # causal, Sq > Sk
     (1, 4, 2, 13, 30, 40, 24, True, (1, 1, 13, 30), "float32", (8, 8)),  # mask + dead row
     (1, 4, 2, 19, 26, 40, 24, True, (19, 26), "bfloat16", (8, 16)),     # bf16 everything
+    (1, 4, 2, 11, 9, 24, 16, True, (1, 4, 11, 9), "float64", (8, 8)),   # float64 (x64 on)
 ]
 
 
 @pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: "x".join(map(str, c[:7]))
                          + ("-causal" if c[7] else "") + ("-mask" if c[8] else "") + "-" + c[9])
 def test_grad_matches_float64(case: tuple) -> None:
+    x64 = jax.enable_x64(True) if case[9] == "float64" else contextlib.nullcontext()
+    with x64:
+        _grad_case(case)
+
+
+def _grad_case(case: tuple) -> None:
     dtype, blocks = case[9], case[10]
     x = _inputs(case, dtype)
     kw = {} if blocks is None else {"block_q": blocks[0], "block_k": blocks[1]}
@@ -277,7 +286,7 @@ def test_lse_values_shape_dtype_and_dead_rows() -> None:
     q, k = x["q"].astype(np.float64) * scale, np.repeat(x["k"].astype(np.float64), 2, axis=1)
     q = np.where(np.isfinite(q), q, 0.0)  # the NaN row is judged by NaN-ness above
     mag = (np.abs(q) @ np.swapaxes(np.abs(k), -1, -2)).max(axis=-1)
-    bound = SAFETY * ((40 + 2) * u * mag + u * (2 * np.abs(np.nan_to_num(ref)) + 30 + 8))
+    bound = SAFETY * ((40 + 2) * u * mag + u * (2 * np.abs(np.where(fin, ref, 0)) + 30 + 8))
     assert np.all(np.abs(lse[fin] - ref[fin]) <= bound[fin])
     # no key at all (Sk = 0): every row is dead
     x0 = {**x, "k": x["k"][:, :, :0], "v": x["v"][:, :, :0], "mask": None}
