@@ -72,6 +72,20 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
     return dispatch(get_op("attention"), (q, k, v), kwargs, backend, config, out)
 
 
+def attention_backward(do: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask: Any = None,
+                       causal: bool = False, scale: float | None = None, *,
+                       backend: str | Backend | None = None,
+                       config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
+    """(dq, dk, dv) of ``attention`` given the output's cotangent ``do``, the forward's inputs
+    and its ``out, lse = pk.attention(q, k, v, ..., return_lse=True)``; the same mask, causal
+    and scale as the forward. Fused (no Sq x Sk buffer), deterministic. ``out`` is the
+    forward's output (the spec's operand ``o``); to write the gradients into arrays of your
+    own, ``pk.call("attention_backward", do, q, k, v, out, lse, out=(dq, dk, dv))``."""
+    kwargs["mask"], kwargs["causal"], kwargs["scale"] = mask, causal, scale
+    return dispatch(get_op("attention_backward"), (do, q, k, v, out, lse), kwargs, backend,
+                    config, None)
+
+
 _EPS = 1e-6  # rmsnorm's default; equal to the spec's (tests/test_api_defaults.py)
 
 

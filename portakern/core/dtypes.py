@@ -50,6 +50,11 @@ FLOAT_DTYPES: dict[str, DTypeInfo] = {
 }
 
 
+def compute_dtype_name(dtype: object) -> str:
+    """The name of a float dtype's compute type: float64 for float64, else float32."""
+    return dtype_name(info(dtype).compute)
+
+
 def dtype_name(dtype: object) -> str:
     """Canonical name of a dtype-like (numpy dtype, ml_dtypes, jax/cupy dtypes, strings)."""
     try:

@@ -53,7 +53,9 @@ class Tunable:
 @dataclass(frozen=True)
 class Operand:
     """An array operand. kind 'float' shares the op's dtype; 'bool' is a boolean mask;
-    'int32' is an index table (dtype int32 only, never converted to float)."""
+    'int32' is an index table (dtype int32 only, never converted to float); 'acc' is a float
+    array in the op's compute type (float32 for float16/bfloat16/float32 ops, float64 for
+    float64 ones), such as the forward's log-sum-exp a backward takes."""
 
     name: str
     kind: str = "float"
@@ -332,6 +334,7 @@ class KernelSpec:
         """Validate metadata and build the Problem. Raises before any backend is touched."""
         metas: dict[str, ArrayMeta | None] = {}
         float_dtypes: dict[str, str] = {}  # float operand -> its dtype's name
+        acc_dtypes: dict[str, str] = {}  # compute-type operand -> its dtype's name
         for o in self.operands:
             x = arrays.get(o.name)
             if x is None:
@@ -350,6 +353,8 @@ class KernelSpec:
                     raise DTypeError(f"{self.name}: {o.name!r} is an index table and must have "
                                      f"dtype int32; got {name}. Use x.astype(np.int32) (indices "
                                      "are never converted from float, nor narrowed silently).")
+            elif o.kind == "acc":
+                acc_dtypes[o.name] = name
             else:
                 dtypes.info(m.dtype)
                 float_dtypes[o.name] = name
@@ -357,6 +362,15 @@ class KernelSpec:
             listing = ", ".join(f"{n}={d}" for n, d in float_dtypes.items())
             raise DTypeError(f"{self.name}: mixed input dtypes ({listing}); expected one dtype "
                              "for all float operands. Cast explicitly; portakern never promotes.")
+        if acc_dtypes and float_dtypes:
+            shared = next(iter(float_dtypes.values()))
+            want = dtypes.compute_dtype_name(shared)
+            for n, d in acc_dtypes.items():
+                if d != want:
+                    raise DTypeError(
+                        f"{self.name}: {n!r} has dtype {d}; expected {want}, the compute type "
+                        f"of the {shared} operands. Pass it as the op that made it returned "
+                        f"it, or cast it: x.astype({want!r}).")
         prob = self.validate(metas, dict(params))
         check_index_range(self.name, "the output", prob.out_shape)
         if prob.outputs is not None:

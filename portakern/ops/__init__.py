@@ -183,6 +183,10 @@ def plugin_errors() -> dict[str, str]:
 from . import rmsnorm  # noqa: E402  (needs register_op above; imports only public modules)
 
 register_op(rmsnorm.SPEC)
+# --- attention's fused backward (issue 28), the same way ----------------------------------
+from . import attention_backward  # noqa: E402
+
+register_op(attention_backward.SPEC)
 
 __all__ = ["ENTRY_POINT_GROUP", "OPS", "get_op", "load_plugins", "plugin_errors", "register_op",
            "unregister_op"]

@@ -187,7 +187,7 @@ def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
 
 def lse_dtype(dtype: str) -> str:
     """The log-sum-exp's dtype: the compute type (float64 for float64, else float32)."""
-    return "float64" if dtype == "float64" else "float32"
+    return dtypes.compute_dtype_name(dtype)
 
 
 def effective_bk(p: Problem, cfg: Mapping[str, int]) -> int:

@@ -189,6 +189,9 @@ def random_inputs(spec: KernelSpec, prob: Problem, rng: np.random.Generator
             out[o.name] = None
         elif o.kind == "bool":
             out[o.name] = rng.random(shape) < 0.7
+        elif o.kind == "acc":  # e.g. a log-sum-exp: in the compute type
+            out[o.name] = dtypes.cast_to(rng.standard_normal(shape),
+                                         dtypes.compute_dtype_name(prob.dtype))
         else:
             out[o.name] = dtypes.cast_to(rng.standard_normal(shape), prob.dtype)
     return out

@@ -124,6 +124,9 @@ def make_inputs(spec: Any, shapes: Mapping[str, Sequence[int]], dtype: str, seed
         shape = tuple(int(d) for d in shape)
         if o.kind == "bool":
             arrays[o.name] = rng.random(shape) < 0.7
+        elif o.kind == "acc":  # e.g. a log-sum-exp: in the compute type
+            arrays[o.name] = dtypes.cast_to(rng.standard_normal(shape),
+                                            dtypes.compute_dtype_name(dtype))
         else:
             arrays[o.name] = dtypes.cast_to(rng.standard_normal(shape), dtype)
     return arrays

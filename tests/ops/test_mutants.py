@@ -178,6 +178,38 @@ MUTANTS = {
         "attention", "            bad = 1;\n            x = (PK_ACC_T)0;\n",
         "            bad = 1;\n",
         {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
+    # issue 28: the forward's log-sum-exp and the fused backward
+    "attention: lse from the next row": (
+        "attention", "LSE[bh * Sq + qi] = dead", "LSE[bh * Sq + min(qi + 1, Sq - 1)] = dead",
+        {}, "float32"),
+    "attention_backward: delta missing": (
+        "attention_backward", "const PK_ACC_T ds = p * (dp - DELTA[qrow]);",
+        "const PK_ACC_T ds = p * dp;", {}, "float32"),
+    "attention_backward: the scale missing in dQ": (
+        "attention_backward", "PK_STORE_T(DQO, r * DQ + d, dq[d] * scale);",
+        "PK_STORE_T(DQO, r * DQ + d, dq[d]);", {}, "float32"),
+    "attention_backward: the GQA sum drops a head": (
+        "attention_backward", "for (int hh = 0; hh < group; ++hh) {",
+        "for (int hh = 0; hh < (group > 1 ? group - 1 : 1); ++hh) {", {}, "float32"),
+    # the loop bounds and ab_keep both apply causal: a one-site edit of either bound that
+    # widens it is masked by the other, so these drop the diagonal, and the last one shifts
+    # causal by one key everywhere in the backward (all three sites)
+    "attention_backward: causal off by one (dQ drops the diagonal)": (
+        "attention_backward", "const int jend = causal ? min(i + 1, Sk) : Sk;",
+        "const int jend = causal ? min(i, Sk) : Sk;", {}, "float32"),
+    "attention_backward: causal off by one (dK/dV drops the diagonal)": (
+        "attention_backward", "for (int i = causal ? j : 0; i < Sq; ++i) {",
+        "for (int i = causal ? j + 1 : 0; i < Sq; ++i) {", {}, "float32"),
+    "attention_backward: causal off by one key everywhere": (
+        "attention_backward",
+        ("    if (causal && j > i) return 0;", "const int jend = causal ? min(i + 1, Sk) : Sk;",
+         "for (int i = causal ? j : 0; i < Sq; ++i) {"),
+        ("    if (causal && j > i + 1) return 0;",
+         "const int jend = causal ? min(i + 2, Sk) : Sk;",
+         "for (int i = causal ? (j > 0 ? j - 1 : 0) : 0; i < Sq; ++i) {"), {}, "float32"),
+    "attention_backward: lse from a different row": (
+        "attention_backward", "const PK_ACC_T lse = LSE[r];",
+        "const PK_ACC_T lse = LSE[r > 0 ? r - 1 : r];", {}, "float32"),
     # rmsnorm is registered like any user op: its mutants run through its spec's own generator
     "rmsnorm: missing barrier in the reduction": (
         "rmsnorm", "            lb[lid] += lb[lid + step];\n        }\n        PK_BARRIER();",

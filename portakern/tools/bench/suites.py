@@ -159,6 +159,8 @@ def make_inputs(case: BenchCase) -> dict[str, np.ndarray | None]:
             out[o.name] = None
         elif o.kind == "bool":
             out[o.name] = rng.random(s) < 0.5
+        elif o.kind == "acc":  # e.g. a log-sum-exp: in the compute type
+            out[o.name] = rng.standard_normal(s).astype(dtypes.info(case.dtype).compute)
         else:
             x = rng.standard_normal(s, dtype=np.float32)
             out[o.name] = x if st == np.float32 else x.astype(st)

@@ -1,0 +1,286 @@
+"""attention_backward(do, q, k, v, o, lse, mask=None, causal=False, scale=None) -> (dq, dk, dv).
+
+The fused backward of ``attention`` (FlashAttention-2): the probabilities are recomputed from
+q, k and the forward's log-sum-exp (``pk.attention(..., return_lse=True)``), never stored:
+
+    P = exp(s - lse) on attended keys (0 elsewhere and on dead rows, lse = -inf),
+    s = (scale q) . k as the forward scores; delta = rowsum(dO * out);
+    dV = P^T dO;  dP = dO V^T;  dS = P * (dP - delta);  dQ = scale dS K;  dK = scale dS^T Q,
+
+dK and dV summed over the query heads of each kv head's group (grouped-query attention).
+Operand ``o`` is the forward's output (``pk.attention_backward``'s ``out``). Shapes: do and o
+(B, Hq, Sq, Dv), lse (B, Hq, Sq) in the compute type (float32; float64 for
+float64), the rest as ``attention``. Outputs in the inputs' dtype, accumulated in the compute
+type. Three kernels (attention_backward.c): delta, dK/dV over query rows, dQ over keys; extra
+device memory is delta alone, B*Hq*Sq words: O(S), never Sq x Sk.
+
+Error analysis (``tolerance``; u the compute type's unit roundoff, all magnitudes from the
+float64 oracle's intermediates). A score errs by E_s = 2 D u scale |q|.|k| + 2 u |s| (as the
+forward); P_ij = exp(s_ij - lse_i) then by dP_ij = P_ij (E_s + u (|s - lse| + 4)). dV_j sums
+Sq g terms P_ij dO_i: sum_i dP_ij |dO_i| + (Sq g + 2) u sum_i P_ij |dO_i|. dP_ij and delta_i are
+Dv-term dots: Dv u |dO|.|V| and Dv u |dO|.|O|; so dS_ij errs by
+E_dS = dP_ij |dP_ij - delta_i| + P_ij Dv u (|dO_i|.|V_j| + |dO_i|.|O_i|) + 2 u |dS_ij|, and
+dQ_i = scale sum_j dS_ij K_j by scale (sum_j E_dS |K_j| + (Sk + 2) u sum_j |dS_ij| |K_j|) (dK the
+same over i and the group). Plus the output's rounding (u_out |ref|) and a subnormal floor.
+Non-finite inputs are outside this op's contract: every gradient element an inf or NaN
+input reaches is unspecified (+inf bound).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..core import dtypes
+from ..core.errors import ShapeError
+from ..core.sampling import Case, Chooser, normal
+from ..core.spec import (
+    ArrayMeta,
+    Buf,
+    Cost,
+    KernelSpec,
+    Launch,
+    Operand,
+    Problem,
+    Scalar,
+    Tunable,
+)
+from . import attention
+from ._common import cdiv, kernel_source, need_rank
+
+
+def _probabilities(xp: Any, q: Any, k: Any, lse: Any, mask: Any, causal: bool, scale: float
+                   ) -> tuple[Any, Any]:
+    """(P, s) with k repeated to the query heads: P = exp(s - lse) where attended, else 0."""
+    s = xp.matmul(q * scale, xp.swapaxes(k, -1, -2))
+    keep = attention.keep_matrix(xp, q.shape[2], k.shape[2], causal, mask)
+    alive = lse != -xp.inf
+    lse_safe = xp.where(alive, lse, xp.zeros_like(lse))[..., None]
+    ok = alive[..., None] if keep is None else xp.logical_and(keep, alive[..., None])
+    p = xp.where(ok, xp.exp(xp.where(ok, s, lse_safe) - lse_safe), xp.zeros_like(s))
+    return p, s
+
+
+def semantics(xp: Any, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, mask: Any = None,
+              causal: bool = False, scale: float | None = None) -> tuple[Any, Any, Any]:
+    """The analytic backward, written once (module docstring): the float64 oracle, and the
+    jax backend's XLA formulation (no autodiff of the unfused chain)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    g = hq // hkv
+    if scale is None:
+        scale = 1.0 / float(np.sqrt(q.shape[-1])) if q.shape[-1] else 1.0
+    kr = xp.repeat(k, g, axis=1) if g > 1 else k
+    vr = xp.repeat(v, g, axis=1) if g > 1 else v
+    p, _ = _probabilities(xp, q, kr, lse, mask, causal, scale)
+    delta = xp.sum(do * o, axis=-1)[..., None]
+    dv = xp.matmul(xp.swapaxes(p, -1, -2), do)
+    dp = xp.matmul(do, xp.swapaxes(vr, -1, -2))
+    ds = p * (dp - delta)
+    dq = xp.matmul(ds, kr) * scale
+    dk = xp.matmul(xp.swapaxes(ds, -1, -2), q) * scale
+    if g > 1:  # the group's sum: (B, Hkv, g, Sk, D) summed over g
+        b, sk = k.shape[0], k.shape[2]
+        dk = xp.sum(xp.reshape(dk, (b, hkv, g, sk, k.shape[3])), axis=2)
+        dv = xp.sum(xp.reshape(dv, (b, hkv, g, sk, v.shape[3])), axis=2)
+    return dq, dk, dv
+
+
+def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
+    do, out, lse = m["do"], m["o"], m["lse"]
+    assert do is not None and out is not None and lse is not None
+    fwd = attention.validate({"q": m["q"], "k": m["k"], "v": m["v"], "mask": m["mask"]},
+                             {**params, "return_lse": False})
+    d = fwd.derived
+    B, Hq, Sq, Dv = d["B"], d["Hq"], d["Sq"], d["Dv"]
+    for name, meta in (("do", do), ("o (the forward's out)", out)):
+        need_rank("attention_backward", name, meta.shape, rank=4, layout="(B, Hq, Sq, Dv)")
+        if tuple(meta.shape) != (B, Hq, Sq, Dv):
+            raise ShapeError(f"attention_backward: {name} has shape {tuple(meta.shape)}; "
+                             f"expected (B, Hq, Sq, Dv) = {(B, Hq, Sq, Dv)}, the forward "
+                             "output's shape.")
+    if tuple(lse.shape) != (B, Hq, Sq):
+        raise ShapeError(f"attention_backward: lse has shape {tuple(lse.shape)}; expected "
+                         f"(B, Hq, Sq) = {(B, Hq, Sq)}, as pk.attention(..., return_lse=True) "
+                         "returns it.")
+    dt = fwd.dtype
+    assert m["q"] is not None and m["k"] is not None and m["v"] is not None
+    return Problem("attention_backward", dt,
+                   {n: (None if m[n] is None else tuple(m[n].shape))  # type: ignore[union-attr]  # checked above
+                    for n in ("do", "q", "k", "v", "o", "lse", "mask")},
+                   {k: fwd.params[k] for k in ("causal", "scale")}, tuple(m["q"].shape),
+                   derived=dict(d),
+                   empty_result=False,
+                   outputs={"dq": (tuple(m["q"].shape), dt), "dk": (tuple(m["k"].shape), dt),
+                            "dv": (tuple(m["v"].shape), dt)})
+
+
+def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
+    d = p.derived
+    return {"delta": (max(1, d["B"] * d["Hq"] * d["Sq"]), attention.lse_dtype(p.dtype))}
+
+
+def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
+    return {"WG": cfg["WG"], "DQ": p.derived["D"], "DV": p.derived["Dv"]}
+
+
+def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
+    d, wg = p.derived, cfg["WG"]
+    has_mask = p.shapes["mask"] is not None
+    ms = d["mask_strides"]
+    mask = "mask" if has_mask else "lse"  # unread without a mask
+    rows_q = d["B"] * d["Hq"] * d["Sq"]
+    rows_k = d["B"] * d["Hkv"] * d["Sk"]
+    common = (Scalar(d["Sq"]), Scalar(d["Sk"]), Scalar(d["Hq"]), Scalar(d["Hq"] // d["Hkv"]))
+    flags = (Scalar(p.params["scale"], "acc"), Scalar(int(p.params["causal"])),
+             Scalar(int(has_mask)), Scalar(ms[0]), Scalar(ms[1]), Scalar(ms[2]), Scalar(ms[3]))
+    out: list[Launch] = []
+    if rows_q:
+        out.append(Launch("attention_bwd_delta", (cdiv(rows_q, wg), 1, 1), (wg, 1, 1),
+                          (Buf("do"), Buf("o"), Buf("delta"), Scalar(rows_q))))
+    if rows_k:
+        out.append(Launch("attention_bwd_dkdv", (cdiv(rows_k, wg), 1, 1), (wg, 1, 1),
+                          (Buf("do"), Buf("q"), Buf("k"), Buf("v"), Buf("lse"), Buf("delta"),
+                           Buf(mask), Buf("dk"), Buf("dv"), *common, Scalar(rows_k), *flags)))
+    if rows_q:
+        out.append(Launch("attention_bwd_dq", (cdiv(rows_q, wg), 1, 1), (wg, 1, 1),
+                          (Buf("do"), Buf("q"), Buf("k"), Buf("v"), Buf("lse"), Buf("delta"),
+                           Buf(mask), Buf("dq"), *common, Scalar(rows_q), *flags)))
+    return out
+
+
+def cost(p: Problem) -> Cost:
+    d = p.derived
+    pairs = d["Sq"] * d["Sk"] * (0.5 if p.params["causal"] else 1.0)
+    bh = d["B"] * d["Hq"]
+    isz = p.info.storage.itemsize
+    width = d["D"] + d["Dv"]
+    # recompute s, dP (2 dots), dV, dQ, dK: 2 (2 D + 2 Dv) flops per pair, dQ and dK/dV apart
+    flops = 2.0 * bh * pairs * (3 * d["D"] + 2 * d["Dv"]) * 2 - 2.0 * bh * pairs * d["Dv"]
+    nbytes = isz * (bh * d["Sq"] * (2 * d["D"] + 2 * d["Dv"])
+                    + 2 * d["B"] * d["Hkv"] * d["Sk"] * width)
+    return Cost(flops=float(flops), bytes=float(nbytes))
+
+
+def tolerance(p: Problem, x: dict[str, np.ndarray], refs: Any) -> tuple[np.ndarray, ...]:
+    """One worst-case bound per output (module docstring, "Error analysis")."""
+    d = p.derived
+    u = float(np.finfo(p.info.compute).eps) / 2
+    scale = p.params["scale"]
+    g = d["Hq"] // d["Hkv"]
+    do, q, out, lse = x["do"], x["q"], x["o"], x["lse"]
+    k, v = np.repeat(x["k"], g, axis=1), np.repeat(x["v"], g, axis=1)
+    with np.errstate(all="ignore"):
+        pr, s = _probabilities(np, q, k, lse, x.get("mask"), p.params["causal"], scale)
+        qs = np.abs(q * scale)
+        es = 2.0 * d["D"] * u * np.matmul(qs, np.swapaxes(np.abs(k), -1, -2)) + 2.0 * u * np.abs(s)
+        dlse = np.where(np.isfinite(lse), lse, 0.0)[..., None]
+        e_p = pr * (es + u * (np.abs(s - dlse) + 4.0))
+        e_p = np.where(pr > 0, e_p, 0.0)
+        ado, av, ao = np.abs(do), np.abs(v), np.abs(out)
+        dp = np.matmul(do, np.swapaxes(v, -1, -2))
+        delta = np.sum(do * out, axis=-1)[..., None]
+        ds = pr * (dp - delta)
+        e_dot = d["Dv"] * u * (np.matmul(ado, np.swapaxes(av, -1, -2))
+                               + np.sum(ado * ao, axis=-1)[..., None])
+        e_ds = e_p * np.abs(dp - delta) + pr * e_dot + 2.0 * u * np.abs(ds)
+        ak, aq = np.abs(k), np.abs(q)
+        b_dq = scale * (np.matmul(e_ds, ak) + (d["Sk"] + 2) * u * np.matmul(np.abs(ds), ak))
+        b_dk = scale * (np.matmul(np.swapaxes(e_ds, -1, -2), aq)
+                        + (d["Sq"] * g + 2) * u * np.matmul(np.swapaxes(np.abs(ds), -1, -2), aq))
+        b_dv = (np.matmul(np.swapaxes(e_p, -1, -2), ado)
+                + (d["Sq"] * g + 2) * u * np.matmul(np.swapaxes(pr, -1, -2), ado))
+    if g > 1:
+        b, hkv, sk = d["B"], d["Hkv"], d["Sk"]
+        b_dk = b_dk.reshape(b, hkv, g, sk, -1).sum(axis=2)
+        b_dv = b_dv.reshape(b, hkv, g, sk, -1).sum(axis=2)
+    floor = p.info.subnormal + 4.0 * max(d["Sq"] * g, d["Sk"]) * float(
+        np.finfo(p.info.compute).tiny)
+    bounds = []
+    for bound, ref in zip((b_dq, b_dk, b_dv), refs, strict=True):
+        bound = bound + p.info.unit_roundoff * np.abs(ref) + floor
+        bounds.append(np.where(np.isfinite(bound) & np.isfinite(ref), bound, np.inf))
+    return tuple(bounds)
+
+
+def backward_case(ch: Chooser, dtype: str) -> Case:
+    """A forward case's shapes (GQA, causal, masks with dead rows, Sq != Sk, D != Dv), finite
+    values; out and lse from the float64 forward, stored as the forward returns them."""
+    rng = np.random.default_rng(ch.seed())
+    b = ch.choice((1, 2))
+    hkv = ch.choice((1, 2))
+    hq = hkv * ch.choice((1, 2, 3))
+    sq = ch.choice((1, 2, 7, 16, 17, 33))
+    sk = sq if ch.boolean(0.3) else ch.choice((1, 2, 16, 17, 33))
+    dh = ch.choice((8, 16, 40, 64))
+    dv = dh if ch.boolean(0.7) else ch.choice((16, 24))
+    causal = ch.boolean(0.4)
+    scale = None if ch.boolean(0.6) else ch.choice((0.05, 0.5, 2.0))
+    mag = ch.choice((1.0, 1.0, 4.0))
+    q = normal(rng, (b, hq, sq, dh), dtype, mag)
+    k = normal(rng, (b, hkv, sk, dh), dtype, mag)
+    v = normal(rng, (b, hkv, sk, dv), dtype)
+    do = normal(rng, (b, hq, sq, dv), dtype)
+    note = f"mag {mag}" + (" causal" if causal else "")
+    mask = None
+    if ch.boolean(0.4):
+        mshape = ch.choice(((sq, sk), (b, 1, sq, sk), (1, hq, 1, sk)))
+        mask = rng.random(mshape) < 0.7
+        if ch.boolean(0.5) and mshape[-2] == sq:
+            mask[..., 0, :] = False  # a dead row: gradient 0
+        note += " mask" + str(mshape)
+    f64 = [np.asarray(a, np.float64) for a in (q, k, v)]
+    o, lse = attention.semantics(np, *f64, mask=mask, causal=causal, scale=scale,
+                                 return_lse=True)
+    out = dtypes.cast_to(o, dtype)
+    lse = np.asarray(lse, attention.lse_dtype(dtype))
+    return Case({"do": do, "q": q, "k": k, "v": v, "o": out, "lse": lse, "mask": mask},
+                {"causal": causal, "scale": scale}, note)
+
+
+def example(dtype: str, *, B: int = 1, H: int = 8, Hkv: int = 8, Sq: int = 128, Sk: int = 128,
+            D: int = 64, Dv: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+    dv = Dv or D
+    lt = attention.lse_dtype(dtype)
+    return ({"do": ArrayMeta((B, H, Sq, dv), dtype), "q": ArrayMeta((B, H, Sq, D), dtype),
+             "k": ArrayMeta((B, Hkv, Sk, D), dtype), "v": ArrayMeta((B, Hkv, Sk, dv), dtype),
+             "o": ArrayMeta((B, H, Sq, dv), dtype), "lse": ArrayMeta((B, H, Sq), lt),
+             "mask": None}, {"causal": False, "scale": None})
+
+
+def examples(dtype: str) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """The compile checks' calls: GQA d64, d128, and a masked causal call."""
+    out = []
+    for name, d, hkv in (("gqa d64", 64, 2), ("d128", 128, 4)):
+        metas, params = example(dtype, H=4, Hkv=hkv, D=d)
+        out.append((name, metas, params))
+    metas, _ = example(dtype, H=4, Hkv=4)
+    metas["mask"] = ArrayMeta((1, 1, 128, 128), "bool")
+    out.append(("d64 mask causal", metas, {"causal": True}))
+    return out
+
+
+SPEC = KernelSpec(
+    name="attention_backward",
+    operands=(Operand("do"), Operand("q"), Operand("k"), Operand("v"), Operand("o"),
+              Operand("lse", kind="acc"), Operand("mask", kind="bool", optional=True)),
+    params={"causal": False, "scale": None},
+    validate=validate,
+    semantics=semantics,
+    source=kernel_source("attention_backward.c"),
+    slots=lambda p: {"T": p.dtype},
+    defines=defines,
+    launches=launches,
+    workspace=workspace,
+    cost=cost,
+    tolerance=tolerance,
+    tunables=(Tunable("WG", (1, 8, 16, 32, 64, 128, 256), "rows per work-group"),),
+    schedules={"gpu": {"WG": 128}, "cpu": {"WG": 8}},
+    unspecified_nonfinite=True,
+    cases=backward_case,
+    example=example,
+    examples=examples,
+    doc="Fused attention backward from the forward's log-sum-exp: dq, dk, dv; GQA, causal, "
+        "masks; no Sq x Sk buffer.",
+)
