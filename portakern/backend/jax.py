@@ -436,6 +436,8 @@ class JaxBackend(ArrayBackend):
                         if self.interpret and prob.dtype == "bfloat16":
                             kernel = _widened(kernel, jnp.bfloat16)
                         fn = jax.jit(kernel)
+                    elif spec.xla is not None:  # the op's own XLA function (e.g. its VJP)
+                        fn = jax.jit(spec.xla(prob, traced))
                     else:
                         fn = jax.jit(lower_semantics_traced(spec, prob.params, traced,
                                                             prob.dtype, out_dtypes))
@@ -584,6 +586,9 @@ def _widened(kernel: Any, storage: Any) -> Any:
     def run(*operands: Any) -> Any:
         wide = [x.astype(jnp.float32) if x is not None and x.dtype == storage else x
                 for x in operands]
-        return kernel(*wide).astype(storage)
+        got = kernel(*wide)
+        if isinstance(got, tuple):  # (out, lse): lse stays in the compute type (float32)
+            return (got[0].astype(storage), *got[1:])
+        return got.astype(storage)
 
     return run

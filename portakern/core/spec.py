@@ -222,6 +222,11 @@ class KernelSpec:
     # optional: the Pallas kernel (jax:pallas path), a PallasKernel (block tunables declared)
     # or a bare callable build(problem, interpret, *, platform, reference) taking no blocks
     pallas: PallasKernel | Callable[..., Any] | None = None
+    # optional: the jax backend's XLA function in place of the plain lowered semantics,
+    # xla(problem, traced) -> fn(*operands, *traced values) with the lowered semantics'
+    # contract (outputs in their dtypes): e.g. attention's, whose custom_vjp gives jax.grad
+    # the analytic backward instead of the autodiff of the unfused chain
+    xla: Callable[..., Any] | None = None
     # optional: workspace(problem, cfg) -> {buffer name: (elements, dtype name)}: device
     # scratch the launches use (e.g. a packed copy of an operand), named in Launch args as
     # Buf(name). C-kernel backends allocate it per call; array backends never see it.

@@ -50,7 +50,7 @@ from ..core.spec import (
     Scalar,
     Tunable,
 )
-from . import attention_pallas  # imports jax only when called
+from . import attention_pallas, attention_xla  # import jax only when called
 from ._common import broadcast_strides, cdiv, kernel_source, need_rank
 
 LOCAL_BUDGET_BYTES = 32 * 1024  # K/V tiles must fit this; BK is capped to honour it
@@ -519,8 +519,8 @@ def _attention_nonfinite(ch: Chooser, rng: np.random.Generator, x: dict[str, np.
 
 
 def pallas_build(problem: Problem, interpret: bool, **kw: Any) -> Any:
-    """The spec's ``pallas`` field: attention_pallas.build with this op's semantics as the
-    unfused forward its backward differentiates."""
+    """The spec's ``pallas`` field: attention_pallas.build (the fused forward, with its
+    log-sum-exp when ``return_lse``, and the fused Pallas backward under ``custom_vjp``)."""
     kw.setdefault("semantics", semantics)
     return attention_pallas.build(problem, interpret, **kw)
 
@@ -579,6 +579,7 @@ SPEC = KernelSpec(
                # CPU: RQ=4 (16 queries per item): their scaled rows (4 KiB) and a 16 KiB K
                # tile and V tile stay nearer L1 than with RQ=8 (8 KiB of rows)
                "cpu": {"BQ": 1, "BK": 64, "TQ": 4, "RQ": 4, "VEC": 16, "PACK_KV": 1}},
+    xla=attention_xla.build,
     pallas=PallasKernel(pallas_build, tunables=attention_pallas.TUNABLES,
                         aliases={"BQ": "block_q", "BK": "block_k"},
                         check=attention_pallas.block_config),

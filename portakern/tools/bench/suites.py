@@ -297,8 +297,9 @@ def metadata_inputs(case: BenchCase) -> list[Any]:
 
     st = dtypes.info(case.dtype).storage
     shp = shapes(case)
+    acc = dtypes.info(case.dtype).compute
     return [None if shp.get(o.name) is None else
-            _Meta(shp[o.name], bool if o.kind == "bool" else st)
+            _Meta(shp[o.name], bool if o.kind == "bool" else acc if o.kind == "acc" else st)
             for o in get_op(case.op).operands]
 
 

@@ -1,0 +1,81 @@
+"""The jax backend's XLA attention (``backend="jax"``): the semantics, differentiated by the
+analytic backward rather than by autodiff of the unfused chain.
+
+``jax.grad`` through the plain lowered semantics would differentiate every step of the
+unfused forward (the max, the exp, the division, the where's) and keep their Sq x Sk
+intermediates as residuals. Here the forward is the same semantics, asked for its log-sum-
+exp too, under a ``jax.custom_vjp`` whose residuals are (q, k, v, mask, out, lse) and whose
+backward is ``attention_backward.analytic``: P recomputed from lse, dS = P (dP - delta), the
+formula the float64 oracle and the C kernels use. The float parameter ``scale`` (a traced
+argument on the XLA path) gets its true cotangent, sum dS_ij (q_i . k_j); the boolean mask
+none.
+
+Nothing here imports jax at module import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..core import dtypes
+from ..core.spec import Problem
+
+
+def build(problem: Problem, traced: tuple[str, ...]) -> Any:
+    """``fn(q, k, v, mask, *traced values)``: out (or (out, lse) with return_lse) in the
+    storage dtype (lse in the compute type), differentiable by the analytic backward."""
+    import jax
+    import jax.numpy as jnp
+
+    from . import attention, attention_backward
+
+    info = dtypes.info(problem.dtype)
+    compute, storage = np.dtype(info.compute), np.dtype(info.storage)
+    params = dict(problem.params)
+    want_lse = bool(params.pop("return_lse", False))
+    static = {k: v for k, v in params.items() if k not in traced}
+
+    def named(values: tuple[Any, ...]) -> dict[str, Any]:
+        kw = dict(static)
+        kw.update(zip(traced, values))
+        return kw
+
+    def widen(x: Any) -> Any:
+        return None if x is None else x.astype(compute)
+
+    def forward(q: Any, k: Any, v: Any, mask: Any, *values: Any) -> tuple[Any, Any]:
+        out, lse = attention.semantics(jnp, widen(q), widen(k), widen(v),
+                                       None if mask is None else mask.astype(bool),
+                                       return_lse=True, **named(values))
+        return out.astype(storage), lse.astype(compute)
+
+    @jax.custom_vjp
+    def fused(q: Any, k: Any, v: Any, mask: Any, *values: Any) -> tuple[Any, Any]:
+        return forward(q, k, v, mask, *values)
+
+    def fused_fwd(q: Any, k: Any, v: Any, mask: Any, *values: Any
+                  ) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
+        out, lse = forward(q, k, v, mask, *values)
+        return (out, lse), (q, k, v, mask, out, lse, values)
+
+    def fused_bwd(res: tuple[Any, ...], g: tuple[Any, Any]) -> tuple[Any, ...]:
+        q, k, v, mask, out, lse, values = res
+        g_out, g_lse = g
+        kw = named(values)
+        dq, dk, dv, dscale = attention_backward.analytic(
+            jnp, widen(g_out), widen(q), widen(k), widen(v), widen(out), lse,
+            None if mask is None else mask.astype(bool), kw["causal"], kw["scale"],
+            dlse=widen(g_lse), dscale=True)
+        d_values = tuple(jnp.asarray(dscale, jnp.asarray(x).dtype) if name == "scale"
+                         else jnp.zeros_like(x) for name, x in zip(traced, values))
+        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, *d_values)
+
+    fused.defvjp(fused_fwd, fused_bwd)
+
+    def fn(q: Any, k: Any, v: Any, mask: Any, *values: Any) -> Any:
+        out, lse = fused(q, k, v, mask, *values)
+        return (out, lse) if want_lse else out
+
+    return fn
