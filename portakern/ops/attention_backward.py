@@ -64,14 +64,13 @@ def _probabilities(xp: Any, q: Any, k: Any, lse: Any, mask: Any, causal: bool, s
 
 
 def analytic(xp: Any, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, mask: Any = None,
-             causal: bool = False, scale: float | None = None, dlse: Any = None,
-             dscale: bool = False) -> tuple[Any, ...]:
+             causal: bool = False, scale: float | None = None, dlse: Any = None
+             ) -> tuple[Any, Any, Any]:
     """The analytic backward (module docstring), the one formula behind the float64 oracle,
     the jax backend's XLA gradient (ops/attention_xla.py) and, through them, every test.
 
     ``dlse``: the cotangent of the forward's lse (B, Hq, Sq) when the caller differentiates
-    it too (d lse_i / d s_ij = P_ij, so dS = P * (dP - delta + dlse)). ``dscale``: also
-    return d/d scale = sum_ij dS_ij (q_i . k_j) (s = (scale q) . k), the fourth entry."""
+    it too (d lse_i / d s_ij = P_ij, so dS = P * (dP - delta + dlse))."""
     hq, hkv = q.shape[1], k.shape[1]
     g = hq // hkv
     if scale is None:
@@ -91,18 +90,14 @@ def analytic(xp: Any, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, mask: A
         b, sk = k.shape[0], k.shape[2]
         dk = xp.sum(xp.reshape(dk, (b, hkv, g, sk, k.shape[3])), axis=2)
         dv = xp.sum(xp.reshape(dv, (b, hkv, g, sk, v.shape[3])), axis=2)
-    if not dscale:
-        return dq, dk, dv
-    qk = xp.matmul(q, xp.swapaxes(kr, -1, -2))  # s / scale, with no division
-    return dq, dk, dv, xp.sum(xp.where(p > 0, ds * qk, xp.zeros_like(ds)))
+    return dq, dk, dv
 
 
 def semantics(xp: Any, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, mask: Any = None,
               causal: bool = False, scale: float | None = None) -> tuple[Any, Any, Any]:
     """The analytic backward, written once (``analytic``): the float64 oracle, and the jax
     backend's XLA formulation (no autodiff of the unfused chain)."""
-    dq, dk, dv = analytic(xp, do, q, k, v, o, lse, mask, causal, scale)
-    return dq, dk, dv
+    return analytic(xp, do, q, k, v, o, lse, mask, causal, scale)
 
 
 def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:

@@ -6,9 +6,11 @@ unfused forward (the max, the exp, the division, the where's) and keep their Sq 
 intermediates as residuals. Here the forward is the same semantics, asked for its log-sum-
 exp too, under a ``jax.custom_vjp`` whose residuals are (q, k, v, mask, out, lse) and whose
 backward is ``attention_backward.analytic``: P recomputed from lse, dS = P (dP - delta), the
-formula the float64 oracle and the C kernels use. The float parameter ``scale`` (a traced
-argument on the XLA path) gets its true cotangent, sum dS_ij (q_i . k_j); the boolean mask
-none.
+formula the float64 oracle and the C kernels use. The boolean mask gets no cotangent, and
+``scale`` a zero one: it is a traced argument only so that one compiled function serves every
+scale (``pk.attention`` takes it as a concrete number and refuses a tracer, so no caller can
+differentiate it; a zero also stays unvarying under ``shard_map``, where a sum over the
+shard's rows would not).
 
 Nothing here imports jax at module import time.
 """
@@ -64,12 +66,11 @@ def build(problem: Problem, traced: tuple[str, ...]) -> Any:
         q, k, v, mask, out, lse, values = res
         g_out, g_lse = g
         kw = named(values)
-        dq, dk, dv, dscale = attention_backward.analytic(
+        dq, dk, dv = attention_backward.analytic(
             jnp, widen(g_out), widen(q), widen(k), widen(v), widen(out), lse,
             None if mask is None else mask.astype(bool), kw["causal"], kw["scale"],
-            dlse=widen(g_lse), dscale=True)
-        d_values = tuple(jnp.asarray(dscale, jnp.asarray(x).dtype) if name == "scale"
-                         else jnp.zeros_like(x) for name, x in zip(traced, values))
+            dlse=widen(g_lse))
+        d_values = tuple(jnp.zeros_like(x) for x in values)  # see the module docstring
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, *d_values)
 
     fused.defvjp(fused_fwd, fused_bwd)
