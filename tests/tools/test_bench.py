@@ -1671,3 +1671,130 @@ def test_outside_a_checkout_runs_go_to_the_user_cache(monkeypatch: pytest.Monkey
     assert where.plots is None
     assert where.json.parts[:4] == ("cache", "bench", "runs", where.json.parts[3])
     assert where.json.parts[3].startswith("my_host-") and where.json.name == "results.json"
+
+
+# --- attention_backward (issue 28, point 4) ------------------------------------------------------
+def _bwd_case(**kw: Any) -> suites.BenchCase:
+    size = {"B": 1, "Hq": 4, "Hkv": 2, "Sq": 24, "Sk": 24, "D": 16, "Dv": 16, **kw}
+    return suites.BenchCase("attention_backward", "float32", size, {"causal": False})
+
+
+def _bwd_reference(x: dict[str, Any]) -> tuple[np.ndarray, ...]:
+    import portakern as pk
+
+    return tuple(pk.attention_backward(*(x[n] for n in ("do", "q", "k", "v", "o", "lse")),
+                                       backend="numpy"))
+
+
+def test_attention_backward_sizes_and_deterministic_inputs() -> None:
+    import portakern as pk
+
+    for suite in ("quick", "full"):
+        got = [c.label for c in suites.suite_cases(suite, ("attention_backward",),
+                                                   ("float32",))]
+        assert got == ["B1 H8 S1024 D64", "B1 H8 S4096 D64"], suite
+    big = suites.suite_cases("quick", ("attention_backward",))[-1]
+    assert big.params == {"causal": False}
+    assert suites.shapes(big) == {"do": (1, 8, 4096, 64), "q": (1, 8, 4096, 64),
+                                  "k": (1, 8, 4096, 64), "v": (1, 8, 4096, 64),
+                                  "o": (1, 8, 4096, 64), "lse": (1, 8, 4096)}
+    case = _bwd_case()
+    a, b = suites.make_inputs(case), suites.make_inputs(suites.BenchCase.from_dict(case.as_dict()))
+    assert list(a) == ["do", "q", "k", "v", "o", "lse", "mask"] and a["mask"] is None
+    assert a["lse"] is not None and a["lse"].dtype == np.float32
+    for n in ("do", "q", "k", "v", "o", "lse"):
+        assert np.array_equal(a[n], b[n]), n
+    # the host forward (chunked per head, fp32) is the forward's o and lse (GQA: Hq 4, Hkv 2)
+    o, lse = pk.attention(a["q"], a["k"], a["v"], return_lse=True, backend="numpy")
+    np.testing.assert_allclose(a["o"], o, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(a["lse"], lse, rtol=1e-5, atol=1e-5)
+    half = suites.make_inputs(suites.BenchCase("attention_backward", "bfloat16", case.size,
+                                               {"causal": False}))
+    assert half["o"] is not None and half["o"].dtype.name == "bfloat16"
+    assert half["lse"] is not None and half["lse"].dtype == np.float32
+
+
+def test_attention_backward_numpy_xla_and_torch_peers_compute_the_gradient() -> None:
+    from portakern.tools.bench import numpy_worker
+    from portakern.tools.bench.peers import applicable, peer_name
+
+    case = _bwd_case()
+    x = suites.make_inputs(case)
+    want = _bwd_reference(x)
+    for got, w in zip(numpy_worker.build(case.as_dict(), x)(), want, strict=True):  # type: ignore[call-overload]
+        np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5)
+    assert applicable("attention_backward", Target("opencl", "cpu")) == [  # type: ignore[arg-type]
+        "numpy", "torch", "xla"]
+    assert peer_name("xla", "attention_backward") == "XLA (jax.jit)"  # hand-written, not semantics
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        from portakern.tools.bench.peers import _xla_fn
+
+        f = _xla_fn(case)
+        for got, w in zip(f(*(x[n] for n in ("do", "q", "k", "v", "o", "lse"))), want,
+                          strict=True):
+            np.testing.assert_allclose(np.asarray(got), w, rtol=1e-4, atol=1e-5)
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return
+    fn, info = numpy_worker.build_torch(case, x)
+    for got, w in zip(fn(), want, strict=True):  # type: ignore[call-overload]
+        np.testing.assert_allclose(got.numpy(), w, rtol=1e-4, atol=1e-5)
+    assert info["sdpa_kernels"] and all("backward" in k for k in info["sdpa_kernels"])
+
+
+def test_attention_backward_unfused_chain_equals_the_fused_op() -> None:
+    import portakern as pk
+    from portakern.runtime import selection
+    from portakern.tools.bench.runner import measure_unfused, unfused_backward
+
+    be = selection.get(_opencl_target())
+    case = _bwd_case()
+    x = suites.make_inputs(case)
+    built = unfused_backward(be, case, x)
+    assert isinstance(built, tuple), built
+    fn, what = built
+    assert "exp(S - lse)" in what and "ElementwiseKernel" in what
+    ours = pk.attention_backward(*(be.to_native(x[n]) for n in ("do", "q", "k", "v", "o", "lse")),
+                                 backend=be)
+    for got, w, r in zip(fn(), ours, _bwd_reference(x), strict=True):
+        np.testing.assert_allclose(be.to_numpy(got), be.to_numpy(w), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(be.to_numpy(got), r, rtol=1e-4, atol=1e-5)
+    causal = suites.BenchCase("attention_backward", "float32", case.size, {"causal": True})
+    got = measure_unfused(be, causal, suites.make_inputs(causal), timing.TimingConfig())
+    assert isinstance(got, timing.Measurement) and got.status == "unsupported"
+
+
+def test_attention_backward_memory_record_and_table(kernel_target: str) -> None:
+    """Ours: the spec's workspace (O(S*D)) within the issue's 64 MiB; the unfused chain: three
+    Sq x Sk matrices, over 1 GiB at S=4096; the run table shows both and the unfused ratio."""
+    from portakern.runtime import configs, selection
+    from portakern.tools.bench.runner import memory_record
+
+    be = selection.get(kernel_target)
+    case = suites.BenchCase("attention_backward", "float32", suites._att(4096),
+                            {"causal": False})
+    mem = memory_record(be, case)
+    spec = get_op("attention_backward")
+    prob = spec.problem(*spec.bind(suites.metadata_inputs(case), {"causal": False}))
+    ws = spec.workspace(prob, configs.config_for(be, spec, prob, None))
+    assert mem["fused"]["extra_bytes"] == sum(n * np.dtype(dt).itemsize for n, dt in ws.values())
+    assert mem["fused"]["workspace_bytes"]["delta"] == 8 * 4096 * 4
+    sq = 8 * 4096 * 4096 * 4
+    unf = mem["unfused"]
+    assert unf["probabilities_bytes"] == unf["dp_bytes"] == unf["ds_bytes"] == sq
+    assert unf["layout_copies_bytes"] == 4 * 8 * 4096 * 64 * 4  # q*scale, k*scale, k^T, V^T
+    assert unf["extra_bytes"] == 3 * sq + unf["layout_copies_bytes"] + 8 * 4096 * 4
+    assert mem["fused"]["extra_bytes"] <= 64 << 20 and unf["extra_bytes"] > 1 << 30
+    rec = _rec("h", kernel_target, "attention_backward", case.label, ours=2.0, peer=3.0)
+    rec.update(memory=mem, unfused={"status": "ok", "median_s": 4.0, "q1_s": 4.0, "q3_s": 4.0,
+                                    "reps": 3},
+               unfused_ratio={"median": 2.0, "q1": 2.0, "q3": 2.0, "min": 2.0, "max": 2.0,
+                              "n": 3})
+    md = report.run_markdown(_result("h", kernel_target, "2024-01-01T00:00:00", [rec]))
+    row = next(line for line in md.splitlines() if "| attention_backward |" in line)
+    assert "B1 H8 S4096 D64" in row and "= 2x ours" in row and "GiB" in row

@@ -109,16 +109,59 @@ def build(case: dict[str, Any], x: dict[str, np.ndarray]) -> Callable[[], object
             return np.matmul(p, v).reshape(B, Hq, Sq, v.shape[-1])
 
         return attention
-    raise ValueError(f"numpy peer: no expression for op {op!r}; expected matmul, softmax or "
-                     "attention. Add one to portakern/tools/bench/numpy_worker.py.")
+    if op == "attention_backward":
+        return _numpy_attention_backward(x, params)
+    raise ValueError(f"numpy peer: no expression for op {op!r}; expected matmul, softmax, "
+                     "attention or attention_backward. Add one to "
+                     "portakern/tools/bench/numpy_worker.py.")
 
 
-TORCH_OPS = ("matmul", "softmax", "attention", "rmsnorm")
+def _numpy_attention_backward(x: dict[str, np.ndarray], params: dict[str, Any]
+                              ) -> Callable[[], object]:
+    """The unfused backward a numpy user writes (non-causal, unmasked): P = exp(scale q k^T -
+    lse) from the forward's lse, dV = P^T dO, dP = dO V^T, delta = rowsum(dO * O),
+    dS = P * (dP - delta), dQ = scale dS K, dK = scale dS^T Q; GQA by reshape (the group's
+    rows side by side, so dK and dV sum over the group in the matmul)."""
+    do, q, k, v, o, lse = (x[n] for n in ("do", "q", "k", "v", "o", "lse"))
+    if params.get("causal") or x.get("mask") is not None:
+        raise ValueError("numpy peer: the hand-written attention backward is non-causal and "
+                         "unmasked only")
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    R = (Hq // Hkv) * Sq
+    scale = q.dtype.type(params.get("scale") or (1.0 / math.sqrt(D)))
+    qg, dog, og = (a.reshape(B, Hkv, R, a.shape[-1]) for a in (q, do, o))
+    lseg = lse.reshape(B, Hkv, R, 1).astype(q.dtype)
+    kt, vt = np.swapaxes(k, -1, -2), np.swapaxes(v, -1, -2)
+
+    def attention_backward() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        p = np.matmul(qg, kt)
+        p *= scale
+        p -= lseg
+        np.exp(p, out=p)  # P
+        dv = np.matmul(np.swapaxes(p, -1, -2), dog)
+        ds = np.matmul(dog, vt)  # dP
+        ds -= np.sum(dog * og, axis=-1, keepdims=True)  # delta
+        ds *= p  # dS
+        dq = np.matmul(ds, k)
+        dq *= scale
+        dk = np.matmul(np.swapaxes(ds, -1, -2), qg)
+        dk *= scale
+        return dq.reshape(B, Hq, Sq, D), dk, dv.reshape(B, Hkv, Sk, Dv)
+
+    return attention_backward
+
+
+TORCH_OPS = ("matmul", "softmax", "attention", "attention_backward", "rmsnorm")
 TORCH_WHAT = {
     "matmul": "torch.matmul(a, b) on CPU tensors sharing the numpy inputs' memory",
     "softmax": "torch.softmax(x, dim=-1)",
     "attention": "torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=..., "
                  "scale=..., enable_gqa=Hq != Hkv): torch's fused CPU SDPA where it applies",
+    "attention_backward": "torch autograd of F.scaled_dot_product_attention(q, k, v, scale=..., "
+                          "enable_gqa=Hq != Hkv): the forward run once untimed, each timed call "
+                          "torch.autograd.grad(out, (q, k, v), do, retain_graph=True): the "
+                          "backward alone (torch's fused CPU SDPA backward where it applies)",
     "rmsnorm": "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight (the LLaMA "
                "RMSNorm module's expression; torch 2.13's F.rms_norm took ~30 ms for 64x4096 "
                "here, 100x slower, so it would flatter us)",
@@ -200,6 +243,19 @@ def build_torch(case: Any, x: dict[str, np.ndarray | None]) -> tuple[Callable[[]
                                                   enable_gqa=gqa)
         info["sdpa_kernels"] = sdpa_kernels(torch, fn)
         info["enable_gqa"] = gqa
+    elif op == "attention_backward":
+        q, k, v = (t[n].requires_grad_() for n in ("q", "k", "v"))
+        do = t["do"]
+        D = q.shape[-1]
+        scale = float(params.get("scale") or (1.0 / math.sqrt(D)))
+        gqa = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=bool(params.get("causal")),
+                                             scale=scale, enable_gqa=gqa)
+
+        def fn() -> object:
+            return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+        info["sdpa_kernels"] = sdpa_kernels(torch, fn)
+        info["enable_gqa"] = gqa
     elif op == "rmsnorm":
         xs, w = t["x"], t["weight"]
         eps = float(params.get("eps", 1e-6))
@@ -267,7 +323,11 @@ def build_request(req: dict[str, Any]) -> Built | dict[str, Any]:
     what = {"matmul": "np.matmul(a, b)",
             "softmax": "numpy max-subtracted exp / sum along the last axis",
             "attention": "np.matmul(q, k^T) * scale -> numpy softmax -> np.matmul(p, v) "
-                         "(GQA by reshape)"}.get(case.op, case.op)
+                         "(GQA by reshape)",
+            "attention_backward": "numpy unfused backward: P = exp(scale q k^T - lse), "
+                                  "dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), "
+                                  "dQ = scale dS K, dK = scale dS^T Q (np.matmul; GQA by "
+                                  "reshape)"}.get(case.op, case.op)
     if case.dtype not in NUMPY_DTYPES:
         return not_run("unavailable", f"the numpy peer runs {', '.join(NUMPY_DTYPES)} only: "
                        f"for {case.dtype} numpy has no BLAS (its matmul is a plain C loop) and "

@@ -338,7 +338,7 @@ def _xla_fn(case: BenchCase) -> Callable[..., Any]:
         return jax.jit(lambda a, b: jnp.matmul(a, b, precision=hi))
     if case.op == "softmax":
         return jax.jit(lambda x: jax.nn.softmax(x, axis=-1))
-    if case.op == "attention":
+    if case.op in ("attention", "attention_backward"):
         s = case.size
         B, Hq, Hkv, Sq, Sk, D = s["B"], s["Hq"], s["Hkv"], s["Sq"], s["Sk"], s["D"]
         g, scale, causal = Hq // Hkv, _scale(case), bool(case.params.get("causal"))
@@ -353,14 +353,29 @@ def _xla_fn(case: BenchCase) -> Callable[..., Any]:
             o = jnp.einsum("bkgqj,bkjd->bkgqd", p, v, precision=hi)
             return o.reshape(B, Hq, Sq, v.shape[-1])
 
-        return jax.jit(attention)
+        if case.op == "attention":
+            return jax.jit(attention)
+
+        def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any) -> Any:
+            # XLA's autodiff of the semantics: it recomputes its own forward (o and lse,
+            # which the fused backward reads, are not used)
+            _, vjp = jax.vjp(attention, q, k, v)
+            return vjp(do)
+
+        return jax.jit(attention_backward)
     raise ValueError(f"xla peer: no expression for op {case.op!r}")
 
 
 XLA_WHAT = {"matmul": "jax.jit(jnp.matmul, precision=HIGHEST)",
             "softmax": "jax.jit(jax.nn.softmax(x, axis=-1))",
             "attention": "jax.jit(einsum q.k^T * scale -> jax.nn.softmax -> einsum p.v, "
-                         "precision=HIGHEST, GQA by reshape)"}
+                         "precision=HIGHEST, GQA by reshape)",
+            "attention_backward": "jax.jit(jax.vjp(attention's XLA expression: einsum q.k^T * "
+                                  "scale -> jax.nn.softmax -> einsum p.v, precision=HIGHEST, "
+                                  "GQA by reshape) applied to do): XLA's autodiff of the "
+                                  "semantics; it recomputes the scores and softmax itself "
+                                  "(the forward's o and lse are not read; XLA drops the unused "
+                                  "p.v)"}
 
 
 def _validated_params(case: BenchCase, host: Mapping[str, np.ndarray | None]) -> dict[str, Any]:
@@ -418,7 +433,7 @@ def prepare_xla(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | No
         f = jax.jit(lower_semantics(get_op(case.op), _validated_params(case, host), case.dtype))
     else:
         f = _xla_fn(case)
-    p = prepare(lambda: f(*args).block_until_ready(), lambda: None, timing, what=what)
+    p = prepare(lambda: jax.block_until_ready(f(*args)), lambda: None, timing, what=what)
     p.m.info.update(device=str(dev), jax=jax.__version__)
     return p
 

@@ -244,10 +244,25 @@ def measure_ours(be: Backend, case: BenchCase, native: Mapping[str, Any], timing
     return p
 
 
+# ops with an unfused chain through portakern's own ops (and a memory record beside it)
+UNFUSED_OPS = ("attention", "attention_backward")
+
+
 def measure_unfused(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None],
                     timing: TimingConfig) -> Sampler | Measurement:
-    """Attention as matmul -> softmax -> matmul through portakern on the same backend, ready
-    for the rounds (or why it cannot run)."""
+    """Attention as matmul -> softmax -> matmul through portakern on the same backend (the
+    backward: ``unfused_backward``), ready for the rounds (or why it cannot run)."""
+    if case.op == "attention_backward":
+        got = unfused_backward(be, case, host)
+        if isinstance(got, Measurement):
+            return got
+        chain, chain_what = got
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            out["r"] = chain()
+
+        return prepare(run, _sync_with(be, out), timing, what=chain_what)
     what = ("portakern matmul(q*scale, k^T) -> softmax -> matmul(p, v) on the same backend "
             "(q pre-scaled and k pre-transposed outside the timed region; GQA by reshape)")
     if case.params.get("causal") or case.params.get("mask") is not None:
@@ -271,6 +286,189 @@ def measure_unfused(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray 
         holder["r"] = call("matmul", p, nv, backend=be).reshape(B, Hq, Sq, s["Dv"])
 
     return prepare(fn, _sync_with(be, holder), timing, what=what)
+
+
+UNFUSED_BACKWARD_WHAT = (
+    "the backward as portakern ops on the same backend: S = matmul(q*scale, k^T); "
+    "P = exp(S - lse) (the forward's lse, not a softmax op), written with its transpose P^T by "
+    "an elementwise glue kernel; dV = matmul(P^T, dO); dP = matmul(dO, V^T); "
+    "delta = rowsum(dO * O) (glue); dS = P * (dP - delta) written over dP, dS^T over P^T "
+    "(glue); dQ = matmul(dS, k*scale); dK = matmul(dS^T, q*scale). q*scale, k*scale, k^T and "
+    "V^T made once outside the timed region; GQA by reshape (the group's rows side by side, "
+    "so dK and dV sum over the group in the matmul); the glue is {glue}")
+
+
+def _backward_glue_opencl(be: Backend, dtype: str) -> tuple[Any, Any, Any] | str:
+    """(P kernel, delta kernel, dS kernel) as pyopencl ElementwiseKernels on ``be``'s
+    context, or why not. Index math explicit (64-bit): element i of a (BH, R, C) array is
+    row rr = i / C (of BH * R) and column c; its transpose's index is (bh * C + c) * R + r."""
+    from ...core import dtypes
+
+    if dtype not in ("float32", "float64"):
+        return f"the OpenCL glue kernels are written for float32/float64, not {dtype}"
+    queue = getattr(be, "queue", None)
+    if queue is None:
+        return f"{be.label} exposes no OpenCL queue"
+    from pyopencl.elementwise import ElementwiseKernel
+
+    t = "float" if dtype == "float32" else "double"
+    a = "float" if dtypes.info(dtype).compute.name == "float32" else "double"
+    idx = "long c = (long)i % C; long rr = (long)i / C; long r = rr % R; long bh = rr / R; "
+    ctx = queue.context
+    p_knl = ElementwiseKernel(
+        ctx, f"{t} *s, const {a} *lse, {t} *pt, long R, long C",
+        idx + f"{t} p = exp(s[i] - ({t})lse[rr]); s[i] = p; pt[(bh * C + c) * R + r] = p;",
+        "pk_bench_bwd_p", preamble="#pragma OPENCL EXTENSION cl_khr_fp64 : enable"
+        if t == "double" else "")
+    d_knl = ElementwiseKernel(
+        ctx, f"{a} *delta, const {t} *dout, const {t} *o, long DV",
+        f"{a} acc = 0; for (long d = 0; d < DV; ++d) acc += ({a})dout[(long)i * DV + d] * "
+        f"({a})o[(long)i * DV + d]; delta[i] = acc;", "pk_bench_bwd_delta",
+        preamble="#pragma OPENCL EXTENSION cl_khr_fp64 : enable" if a == "double" else "")
+    ds_knl = ElementwiseKernel(
+        ctx, f"{t} *dp, const {t} *p, const {a} *delta, {t} *pt, long R, long C",
+        idx + f"{t} ds = p[i] * (dp[i] - ({t})delta[rr]); dp[i] = ds; "
+        "pt[(bh * C + c) * R + r] = ds;", "pk_bench_bwd_ds",
+        preamble="#pragma OPENCL EXTENSION cl_khr_fp64 : enable" if t == "double" else "")
+    return p_knl, d_knl, ds_knl
+
+
+def unfused_backward(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None]
+                     ) -> tuple[Any, str] | Measurement:
+    """(fn, what): attention_backward as portakern matmuls plus elementwise glue on the
+    backend's own arrays (UNFUSED_BACKWARD_WHAT); ``fn()`` returns (dq, dk, dv) as native
+    arrays. Or the not-run record saying why (causal or masked cases; a backend whose arrays
+    the glue cannot be written for: pyopencl's and jax's can)."""
+    from ...core import dtypes
+
+    if case.params.get("causal") or host.get("mask") is not None:
+        return not_run("unsupported", "the unfused backward chain has no masked form here; "
+                       "only non-causal, unmasked cases have one",
+                       UNFUSED_BACKWARD_WHAT.format(glue="-"))
+    s = case.size
+    B, Hq, Hkv, Sq, Sk, D, Dv = (s[k] for k in ("B", "Hq", "Hkv", "Sq", "Sk", "D", "Dv"))
+    R = (Hq // Hkv) * Sq
+    scale = float(case.params.get("scale") or 1.0 / math.sqrt(D))
+    do, q, k, v, o, lse = (host[n] for n in ("do", "q", "k", "v", "o", "lse"))
+    assert do is not None and q is not None and k is not None and v is not None
+    assert o is not None and lse is not None
+    st = q.dtype
+    ct = dtypes.info(case.dtype).compute
+
+    def scaled(x: np.ndarray) -> np.ndarray:
+        return (x.astype(ct) * ct.type(scale)).astype(st)
+
+    if "pyopencl" in getattr(be, "array_modules", ()):
+        glue = _backward_glue_opencl(be, case.dtype)
+        what = UNFUSED_BACKWARD_WHAT.format(glue="three pyopencl ElementwiseKernels on the "
+                                            "target's context and queue")
+        if isinstance(glue, str):
+            return not_run("unsupported", glue, what)
+        p_knl, d_knl, ds_knl = glue
+        kb: Any = be  # the OpenCL backend: its queue (checked above) and empty()
+        queue = kb.queue
+        dt = dtypes.info(case.dtype).name
+
+        def p_from_lse(sc: Any, nl: Any) -> tuple[Any, Any]:
+            pt = kb.empty((B, Hkv, Sk, R), dt)
+            p_knl(sc, nl, pt, np.int64(R), np.int64(Sk), queue=queue)
+            return sc, pt
+
+        def delta_of(ndo: Any, no: Any) -> Any:
+            delta = kb.empty((B, Hkv, R), ct.name)
+            d_knl(delta, ndo, no, np.int64(Dv), queue=queue)
+            return delta
+
+        def ds_of(dp: Any, p: Any, delta: Any, pt: Any) -> tuple[Any, Any]:
+            ds_knl(dp, p, delta, pt, np.int64(R), np.int64(Sk), queue=queue)
+            return dp, pt
+    elif own_jax_device(be) is not None:
+        import jax.numpy as jnp
+
+        what = UNFUSED_BACKWARD_WHAT.format(glue="jax.numpy on the target's arrays (eager; "
+                                            "its transposes are copies)")
+
+        def p_from_lse(sc: Any, nl: Any) -> tuple[Any, Any]:
+            p = jnp.exp(sc.astype(ct) - nl[..., None]).astype(st)
+            return p, jnp.swapaxes(p, -1, -2)
+
+        def delta_of(ndo: Any, no: Any) -> Any:
+            return jnp.sum(ndo.astype(ct) * no.astype(ct), axis=-1)
+
+        def ds_of(dp: Any, p: Any, delta: Any, pt: Any) -> tuple[Any, Any]:
+            ds = (p.astype(ct) * (dp.astype(ct) - delta[..., None])).astype(st)
+            return ds, jnp.swapaxes(ds, -1, -2)
+    else:
+        return not_run("unsupported", f"no elementwise glue for {be.name}'s arrays (written for "
+                       "pyopencl's and jax's)", UNFUSED_BACKWARD_WHAT.format(glue="-"))
+    nqs = be.to_native(scaled(q).reshape(B, Hkv, R, D))
+    nks = be.to_native(scaled(k))
+    nkt = be.to_native(np.ascontiguousarray(np.swapaxes(k, -1, -2)))
+    nvt = be.to_native(np.ascontiguousarray(np.swapaxes(v, -1, -2)))
+    ndo = be.to_native(do.reshape(B, Hkv, R, Dv))
+    no = be.to_native(o.reshape(B, Hkv, R, Dv))
+    nl = be.to_native(lse.reshape(B, Hkv, R))
+
+    def fn() -> tuple[Any, Any, Any]:
+        p, pt = p_from_lse(call("matmul", nqs, nkt, backend=be), nl)
+        dv = call("matmul", pt, ndo, backend=be)
+        dp = call("matmul", ndo, nvt, backend=be)
+        ds, dst = ds_of(dp, p, delta_of(ndo, no), pt)
+        dq = call("matmul", ds, nks, backend=be).reshape(B, Hq, Sq, D)
+        dk = call("matmul", dst, nqs, backend=be)
+        return dq, dk, dv
+
+    return fn, what
+
+
+def attention_backward_memory(be: Backend, case: BenchCase) -> dict[str, Any]:
+    """Extra device memory of attention_backward beyond inputs and outputs, from sizes: ours
+    is its spec's workspace (delta, B*Hq*Sq words, plus whatever packed copies the target's
+    config asks for); the unfused chain's is P, dP and dS (P^T
+    and dS^T share one buffer, dS is written over dP: 3 Sq x Sk matrices per head) plus the
+    layout copies and delta (not measured)."""
+    from ...core import dtypes
+
+    s = case.size
+    info = dtypes.info(case.dtype)
+    isz, esz = info.storage.itemsize, info.compute.itemsize
+    B, Hq, Hkv, Sq, Sk, D, Dv = (s[k] for k in ("B", "Hq", "Hkv", "Sq", "Sk", "D", "Dv"))
+    square = B * Hq * Sq * Sk * isz
+    layout = (B * Hq * Sq * D + B * Hkv * Sk * (2 * D + Dv)) * isz
+    delta = B * Hq * Sq * esz
+    out: dict[str, Any] = {
+        "method": "computed from sizes, not measured",
+        "unfused": {"probabilities_bytes": square, "dp_bytes": square,
+                    "ds_bytes": square, "layout_copies_bytes": layout, "delta_bytes": delta,
+                    "extra_bytes": 3 * square + layout + delta,
+                    "note": "three Sq*Sk matrices in the storage dtype (P, its transpose "
+                            "reused for dS^T, dP overwritten by dS), the pre-scaled q and k and "
+                            "the transposed k and V the chain is given, and delta"}}
+    if isinstance(be, KernelBackend):
+        spec = get_op("attention_backward")
+        prob = spec.problem(*spec.bind(metadata_inputs(case), dict(case.params)))
+        cfg = configs.config_for(be, spec, prob, None)
+        ws = spec.workspace(prob, cfg) if spec.workspace is not None else {}
+        out["fused"] = {"extra_bytes": sum(int(n) * dtypes.info(dt).storage.itemsize
+                                           for n, dt in ws.values()),
+                        "workspace_bytes": {k: int(n) * dtypes.info(dt).storage.itemsize
+                                            for k, (n, dt) in ws.items()},
+                        "note": "the spec's workspace for this target's config (each buffer in "
+                                "workspace_bytes: delta, B*Hq*Sq words, and any packed "
+                                "copies, O(S*D)); P is recomputed per tile from lse, never "
+                                "stored: no Sq*Sk buffer"}
+    else:
+        out["fused"] = {"extra_bytes": None, "note": f"{be.name} lowers attention_backward "
+                        "through its own library; its working set is that library's choice, "
+                        "not computed"}
+    return out
+
+
+def memory_record(be: Backend, case: BenchCase) -> dict[str, Any]:
+    """The extra-memory record of an op in UNFUSED_OPS."""
+    if case.op == "attention_backward":
+        return attention_backward_memory(be, case)
+    return attention_memory(be, case)
 
 
 def attention_memory(be: Backend, case: BenchCase) -> dict[str, Any]:
@@ -409,9 +607,10 @@ def run_case(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None]
         "shapes": {n: list(x.shape) for n, x in host.items() if x is not None},
         "cost": cost_rec,
         "target": be.label, "backend": be.name, "device": be.device.name, "platform": platform,
-        "peers": {}, "unfused": None if case.op == "attention" else not_run(
-            "not_applicable", "the unfused chain is attention's (matmul -> softmax -> matmul "
-            f"through portakern); {case.op} is a single kernel with no unfused form here"
+        "peers": {}, "unfused": None if case.op in UNFUSED_OPS else not_run(
+            "not_applicable", "the unfused chains are attention's and its backward's "
+            f"(matmuls and glue through portakern); {case.op} is a single kernel with no "
+            "unfused form here"
         ).as_dict(), "loadavg_1m": _loadavg(),
     }
     if refused:
@@ -445,15 +644,15 @@ def run_case(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None]
         if isinstance(got, Measurement):  # ours cannot run: no peer is worth measuring
             progress.done(got)
             rec["ours"] = got.as_dict()
-            if case.op == "attention":
-                rec["memory"] = attention_memory(be, case)
+            if case.op in UNFUSED_OPS:
+                rec["memory"] = memory_record(be, case)
             derive(rec, roof)
             return rec
         ready["ours"] = got
         progress.ready(got.m)
         LATCH.check()
-        if case.op == "attention":
-            rec["memory"] = attention_memory(be, case)
+        if case.op in UNFUSED_OPS:
+            rec["memory"] = memory_record(be, case)
             if cfg.unfused:
                 progress.start("        unfused chain (portakern) ")
                 try:

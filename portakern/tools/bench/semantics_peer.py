@@ -25,7 +25,7 @@ from ...core.spec import KernelSpec
 
 # ops whose peers are written by hand (numpy_worker.build, peers._xla_fn, peers.run_cupy):
 # every other op gets the semantics peer
-HANDWRITTEN_OPS = ("matmul", "softmax", "attention")
+HANDWRITTEN_OPS = ("matmul", "softmax", "attention", "attention_backward")
 
 
 def has_handwritten_peers(op: str) -> bool:

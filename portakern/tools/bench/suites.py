@@ -31,7 +31,9 @@ from .timing import TimingConfig
 
 # ops whose size record has a format of its own (M/N/K, rows/cols, B/H/S/D) and hand-picked
 # sizes below; every other op's size record is {operand: shape} taken from its spec
-BUILTIN_SIZE_OPS = ("matmul", "softmax", "attention")
+BUILTIN_SIZE_OPS = ("matmul", "softmax", "attention", "attention_backward")
+# ops whose sizes are attention's B/H/S/D record
+ATTENTION_OPS = ("attention", "attention_backward")
 # ``full`` adds the spec's example scaled to about this many elements in its largest operand
 DERIVED_FULL_ELEMENTS = (1 << 24, 1 << 26)
 
@@ -92,7 +94,7 @@ def size_label(op: str, size: dict[str, Any], params: dict[str, Any]) -> str:
         return (f"B={'x'.join(map(str, batch))} " + lab) if batch else lab
     if op == "softmax":
         return f"{size['rows']}x{size['cols']}"
-    if op == "attention":
+    if op in ATTENTION_OPS:
         lab = f"B{size['B']} H{size['Hq']} S{size['Sq']}"
         if size["Sk"] != size["Sq"]:
             lab += f" Sk{size['Sk']}"
@@ -137,9 +139,14 @@ def shapes(case: BenchCase) -> dict[str, tuple[int, ...]]:
         return {"a": batch + (s["M"], s["K"]), "b": batch + (s["K"], s["N"])}
     if case.op == "softmax":
         return {"x": (s["rows"], s["cols"])}
-    if case.op == "attention":
-        return {"q": (s["B"], s["Hq"], s["Sq"], s["D"]), "k": (s["B"], s["Hkv"], s["Sk"], s["D"]),
-                "v": (s["B"], s["Hkv"], s["Sk"], s["Dv"])}
+    if case.op in ATTENTION_OPS:
+        qkv: dict[str, tuple[int, ...]] = {
+            "q": (s["B"], s["Hq"], s["Sq"], s["D"]), "k": (s["B"], s["Hkv"], s["Sk"], s["D"]),
+            "v": (s["B"], s["Hkv"], s["Sk"], s["Dv"])}
+        if case.op == "attention":
+            return qkv
+        rows = (s["B"], s["Hq"], s["Sq"])
+        return {"do": rows + (s["Dv"],), **qkv, "o": rows + (s["Dv"],), "lse": rows}
     raise InvalidArgumentError(f"bench: no input recipe for op {case.op!r}.")  # unreachable
 
 
@@ -153,9 +160,10 @@ def make_inputs(case: BenchCase) -> dict[str, np.ndarray | None]:
     st = dtypes.info(case.dtype).storage
     shp = shapes(case)
     out: dict[str, np.ndarray | None] = {}
+    backward = case.op == "attention_backward"
     for o in get_op(case.op).operands:
         s = shp.get(o.name)
-        if s is None:
+        if s is None or (backward and o.name in ("o", "lse")):
             out[o.name] = None
         elif o.kind == "bool":
             out[o.name] = rng.random(s) < 0.5
@@ -164,7 +172,39 @@ def make_inputs(case: BenchCase) -> dict[str, np.ndarray | None]:
         else:
             x = rng.standard_normal(s, dtype=np.float32)
             out[o.name] = x if st == np.float32 else x.astype(st)
+    if backward:  # the forward's output and log-sum-exp, as pk.attention(return_lse=True)
+        q, k, v = out["q"], out["k"], out["v"]
+        assert q is not None and k is not None and v is not None
+        out["o"], out["lse"] = host_forward(q, k, v, case.dtype, case.params.get("scale"))
     return out
+
+
+def host_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, dtype: str,
+                 scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(o, lse) of non-causal, unmasked attention, computed on the host in the compute type
+    (float32; float64 for float64) one (batch, head) at a time, so an S=4096 case never needs
+    a float64 Sq x Sk array (one Sq x Sk compute-type block at a time): o = softmax(scale q
+    k^T) v in the storage dtype, lse = logsumexp(scale q k^T) in the compute type. GQA:
+    query head h reads kv head h // (Hq / Hkv)."""
+    info = dtypes.info(dtype)
+    ct = info.compute
+    B, Hq, Sq, D = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    if scale is None:
+        scale = 1.0 / float(np.sqrt(D)) if D else 1.0
+    o = np.empty(q.shape[:3] + (v.shape[-1],), ct)
+    lse = np.empty(q.shape[:3], ct)
+    for b in range(B):
+        for h in range(Hq):
+            s = np.matmul(q[b, h].astype(ct) * ct.type(scale), k[b, h // g].astype(ct).T)
+            m = s.max(axis=-1, keepdims=True)
+            s -= m
+            np.exp(s, out=s)
+            den = s.sum(axis=-1, keepdims=True)
+            o[b, h] = np.matmul(s, v[b, h // g].astype(ct)) / den
+            lse[b, h] = (m + np.log(den))[:, 0]
+    return (o if info.storage == ct else o.astype(info.storage)), lse
 
 
 # --- sizes of ops that the table below does not know: from the spec ----------------------
@@ -323,6 +363,8 @@ SIZES: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {
         "attention": [(_att(512), {"causal": False}), (_att(1024), {"causal": False}),
                       (_att(1024, hkv=2), {"causal": False}), (_att(4096), {"causal": False}),
                       (_att(4096), {"causal": True})],
+        # the S=4096 backward carries issue 28's target (<= 1.0x the unfused chain's time)
+        "attention_backward": [(_att(1024), {"causal": False}), (_att(4096), {"causal": False})],
     },
     "full": {
         "matmul": [(_mm(n), {}) for n in (128, 256, 512, 1024, 2048, 4096, 8192)]
@@ -335,6 +377,7 @@ SIZES: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {
         + [(_att(4096, d=128), {"causal": False}), (_att(2048, d=128, h=32, hkv=8),
                                                     {"causal": False}),
            (_att(2048, b=4, h=16), {"causal": False}), (_att(4096), {"causal": True})],
+        "attention_backward": [(_att(s), {"causal": False}) for s in (1024, 4096)],
     },
 }
 
