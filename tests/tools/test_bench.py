@@ -1699,7 +1699,8 @@ def test_attention_backward_sizes_and_deterministic_inputs() -> None:
                                   "k": (1, 8, 4096, 64), "v": (1, 8, 4096, 64),
                                   "o": (1, 8, 4096, 64), "lse": (1, 8, 4096)}
     case = _bwd_case()
-    a, b = suites.make_inputs(case), suites.make_inputs(suites.BenchCase.from_dict(case.as_dict()))
+    a: dict[str, Any] = suites.make_inputs(case)
+    b: dict[str, Any] = suites.make_inputs(suites.BenchCase.from_dict(case.as_dict()))
     assert list(a) == ["do", "q", "k", "v", "o", "lse", "mask"] and a["mask"] is None
     assert a["lse"] is not None and a["lse"].dtype == np.float32
     for n in ("do", "q", "k", "v", "o", "lse"):
@@ -1719,9 +1720,10 @@ def test_attention_backward_numpy_xla_and_torch_peers_compute_the_gradient() -> 
     from portakern.tools.bench.peers import applicable, peer_name
 
     case = _bwd_case()
-    x = suites.make_inputs(case)
+    x: dict[str, Any] = suites.make_inputs(case)
     want = _bwd_reference(x)
-    for got, w in zip(numpy_worker.build(case.as_dict(), x)(), want, strict=True):  # type: ignore[call-overload]
+    built: Any = numpy_worker.build(case.as_dict(), x)
+    for got, w in zip(built(), want, strict=True):
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5)
     assert applicable("attention_backward", Target("opencl", "cpu")) == [  # type: ignore[arg-type]
         "numpy", "torch", "xla"]
@@ -1741,8 +1743,9 @@ def test_attention_backward_numpy_xla_and_torch_peers_compute_the_gradient() -> 
         import torch  # noqa: F401
     except ImportError:
         return
-    fn, info = numpy_worker.build_torch(case, x)
-    for got, w in zip(fn(), want, strict=True):  # type: ignore[call-overload]
+    tfn, info = numpy_worker.build_torch(case, x)
+    tout: Any = tfn()
+    for got, w in zip(tout, want, strict=True):
         np.testing.assert_allclose(got.numpy(), w, rtol=1e-4, atol=1e-5)
     assert info["sdpa_kernels"] and all("backward" in k for k in info["sdpa_kernels"])
 
@@ -1754,7 +1757,7 @@ def test_attention_backward_unfused_chain_equals_the_fused_op() -> None:
 
     be = selection.get(_opencl_target())
     case = _bwd_case()
-    x = suites.make_inputs(case)
+    x: dict[str, Any] = suites.make_inputs(case)
     built = unfused_backward(be, case, x)
     assert isinstance(built, tuple), built
     fn, what = built
@@ -1781,6 +1784,7 @@ def test_attention_backward_memory_record_and_table(kernel_target: str) -> None:
     mem = memory_record(be, case)
     spec = get_op("attention_backward")
     prob = spec.problem(*spec.bind(suites.metadata_inputs(case), {"causal": False}))
+    assert spec.workspace is not None
     ws = spec.workspace(prob, configs.config_for(be, spec, prob, None))
     assert mem["fused"]["extra_bytes"] == sum(n * np.dtype(dt).itemsize for n, dt in ws.values())
     assert mem["fused"]["workspace_bytes"]["delta"] == 8 * 4096 * 4

@@ -180,7 +180,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "bench", help="our kernels vs each device's native library, with the roofline",
         description="Time each op x size x dtype on every target beside the best native peer "
                     "on the same device (numpy/BLAS, XLA, CLBlast, cuBLAS, cuDNN), the unfused "
-                    "chain (attention) and the roofline from portakern's own probes. "
+                    "chains (attention, attention_backward) and the roofline from portakern's "
+                    "own probes. "
                     "Ctrl-C stops and writes what was measured. See docs/bench.md.")
     p.add_argument("--ops", default=None,
                    help="comma-separated ops (default: every registered op, plugins and ops "
@@ -227,7 +228,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "'while True: pass') pinned to CORE (default: the last usable core); "
                         "the table and ratio_stability.png compare the ratios")
     p.add_argument("--no-probes", action="store_true", help="skip the roofline probes")
-    p.add_argument("--no-unfused", action="store_true", help="skip attention's unfused chain")
+    p.add_argument("--no-unfused", action="store_true", help="skip the unfused chains (attention, "
+                   "attention_backward)")
     p.add_argument("--dispatch", dest="dispatch", action="store_true", default=None,
                    help="measure the dispatch overhead (pk.call vs a raw enqueue of the same "
                         "kernel on a tiny softmax; default: in the quick suite)")
