@@ -6,9 +6,24 @@ from collections.abc import Mapping
 from typing import Any
 
 from .backend.base import Backend
+from .core.errors import PortakernError
 from .core.spec import KernelSpec
+from .interop import TORCH_CLASSES, refuse_mixed
 from .ops import get_op
 from .runtime.plan import dispatch
+
+# torch tensors go to their torch custom op (portakern/interop, docs/torch.md) before any
+# other work; every other call pays one set lookup of its first array's class (~20 ns). A
+# call that fails with a tensor anywhere is refused as mixed, or (a Tensor subclass not met
+# before, operands by keyword) sent on to the custom op.
+_TORCH = TORCH_CLASSES
+
+
+def _torch(op: str | KernelSpec, args: Any, kwargs: Any, backend: Any, config: Any,
+           out: Any = None) -> Any:
+    from .interop import torch_ops  # loads torch's custom ops at the first tensor
+
+    return torch_ops.call(op, args, kwargs, backend, config, out)
 
 
 def call(op: str | KernelSpec, *args: Any, backend: str | Backend | None = None,
@@ -18,8 +33,15 @@ def call(op: str | KernelSpec, *args: Any, backend: str | Backend | None = None,
     ``config`` overrides tunables (validated against each tunable's domain). ``out`` is a
     device array of the result's shape and dtype to write into (C-kernel backends). The one
     path of every entry point is portakern.runtime.plan.dispatch."""
-    return dispatch(op if op.__class__ is KernelSpec else _spec(op), args, kwargs, backend,
-                    config, out)
+    if args and args[0].__class__ in _TORCH:
+        return _torch(op, args, kwargs, backend, config, out)
+    try:
+        return dispatch(op if op.__class__ is KernelSpec else _spec(op), args, kwargs, backend,
+                        config, out)
+    except PortakernError:  # torch tensors by keyword go on; mixed with other arrays: refused
+        if not refuse_mixed(op, args, kwargs, out):
+            raise
+    return _torch(op, args, kwargs, backend, config, out)
 
 
 def _spec(op: str | KernelSpec) -> KernelSpec:
@@ -35,8 +57,15 @@ def _spec(op: str | KernelSpec) -> KernelSpec:
 def matmul(a: Any, b: Any, *, backend: str | Backend | None = None,
            config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
     """(..., M, K) @ (..., K, N) -> (..., M, N); batch dims broadcast; fp32 accumulation."""
+    if a.__class__ in _TORCH:
+        return _torch("matmul", (a, b), kwargs, backend, config)
     out = kwargs.pop("out", None)
-    return dispatch(get_op("matmul"), (a, b), kwargs, backend, config, out)
+    try:
+        return dispatch(get_op("matmul"), (a, b), kwargs, backend, config, out)
+    except PortakernError:
+        if not refuse_mixed("matmul", (a, b), kwargs, out):
+            raise
+    return _torch("matmul", (a, b), kwargs, backend, config, out)
 
 
 _AXIS = -1  # softmax's default; equal to the spec's (tests/test_api_defaults.py)
@@ -45,10 +74,17 @@ _AXIS = -1  # softmax's default; equal to the spec's (tests/test_api_defaults.py
 def softmax(x: Any, axis: int = _AXIS, *, backend: str | Backend | None = None,
             config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
     """Stable softmax along ``axis``; a row of only -inf gives zeros."""
+    if x.__class__ in _TORCH:
+        return _torch("softmax", (x,), {**kwargs, "axis": axis}, backend, config)
     out = kwargs.pop("out", None)
     if axis is not _AXIS:  # the default object is left out: see the note above matmul
         kwargs["axis"] = axis
-    return dispatch(get_op("softmax"), (x,), kwargs, backend, config, out)
+    try:
+        return dispatch(get_op("softmax"), (x,), kwargs, backend, config, out)
+    except PortakernError:
+        if not refuse_mixed("softmax", (x,), kwargs, out):
+            raise
+    return _torch("softmax", (x,), kwargs, backend, config, out)
 
 
 def attention(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
@@ -60,6 +96,10 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
     ``return_lse=True``: ``(out, lse)``, lse (B, Hq, Sq) the log-sum-exp of each row's scaled
     scores (float32; float64 for float64 inputs), -inf for a row with no key to attend: what
     ``attention_backward`` recomputes the probabilities from."""
+    if q.__class__ in _TORCH:
+        return _torch("attention", (q, k, v), {**kwargs, "mask": mask, "causal": causal,
+                                               "scale": scale, "return_lse": return_lse},
+                      backend, config)
     out = kwargs.pop("out", None)
     if mask is not None:  # the spec's defaults are left out: a shorter plan key, and no
         kwargs["mask"] = mask  # keyword operand for the runner to look at
@@ -69,7 +109,12 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
         kwargs["scale"] = scale
     if return_lse is not False:
         kwargs["return_lse"] = return_lse
-    return dispatch(get_op("attention"), (q, k, v), kwargs, backend, config, out)
+    try:
+        return dispatch(get_op("attention"), (q, k, v), kwargs, backend, config, out)
+    except PortakernError:
+        if not refuse_mixed("attention", (q, k, v), kwargs, out):
+            raise
+    return _torch("attention", (q, k, v), kwargs, backend, config, out)
 
 
 def attention_backward(do: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask: Any = None,
@@ -82,8 +127,15 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask
     forward's output (the spec's operand ``o``); to write the gradients into arrays of your
     own, ``pk.call("attention_backward", do, q, k, v, out, lse, out=(dq, dk, dv))``."""
     kwargs["mask"], kwargs["causal"], kwargs["scale"] = mask, causal, scale
-    return dispatch(get_op("attention_backward"), (do, q, k, v, out, lse), kwargs, backend,
-                    config, None)
+    if do.__class__ in _TORCH:
+        return _torch("attention_backward", (do, q, k, v, out, lse), kwargs, backend, config)
+    try:
+        return dispatch(get_op("attention_backward"), (do, q, k, v, out, lse), kwargs, backend,
+                        config, None)
+    except PortakernError:
+        if not refuse_mixed("attention_backward", (do, q, k, v, out, lse), kwargs):
+            raise
+    return _torch("attention_backward", (do, q, k, v, out, lse), kwargs, backend, config)
 
 
 _EPS = 1e-6  # rmsnorm's default; equal to the spec's (tests/test_api_defaults.py)
@@ -92,7 +144,14 @@ _EPS = 1e-6  # rmsnorm's default; equal to the spec's (tests/test_api_defaults.p
 def rmsnorm(x: Any, weight: Any, eps: float = _EPS, *, backend: str | Backend | None = None,
             config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
     """x / sqrt(mean(x**2, axis=-1) + eps) * weight, fused; weight has shape (x.shape[-1],)."""
+    if x.__class__ in _TORCH:
+        return _torch("rmsnorm", (x, weight), {**kwargs, "eps": eps}, backend, config)
     out = kwargs.pop("out", None)
     if eps is not _EPS:
         kwargs["eps"] = eps
-    return dispatch(get_op("rmsnorm"), (x, weight), kwargs, backend, config, out)
+    try:
+        return dispatch(get_op("rmsnorm"), (x, weight), kwargs, backend, config, out)
+    except PortakernError:
+        if not refuse_mixed("rmsnorm", (x, weight), kwargs, out):
+            raise
+    return _torch("rmsnorm", (x, weight), kwargs, backend, config, out)

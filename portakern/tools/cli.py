@@ -45,18 +45,37 @@ def _info(args: argparse.Namespace) -> int:
     except Exception as exc:  # report, don't crash: info is what users run when things break
         choice = f"no usable backend ({exc})"
     env = settings.describe()
+    torch_row = _torch_info()
     if args.json:
-        print(json.dumps({"backends": report, "automatic": choice,
+        print(json.dumps({"backends": report, "automatic": choice, "torch": torch_row,
                           "settings": {row.name: {"attribute": f"settings.{row.path}",
                                                    "value": row.shown, "doc": row.doc}
                                        for row in env}},
                          indent=2, default=str))
     else:
         print(f"\nautomatic selection: {choice}")
+        if torch_row is not None:
+            print(f"torch: {torch_row['version']}, CUDA available: {torch_row['cuda']}"
+                  f"{' (' + torch_row['error'] + ')' if torch_row.get('error') else ''}; "
+                  "portakern.torch: torch.ops.portakern.* (docs/torch.md)")
         print("\nsettings (environment variables, portakern/core/settings.py):")
         for row in env:
             print(f"  {row.name} = {row.shown}   (settings.{row.path})\n      {row.doc}")
     return 0
+
+
+def _torch_info() -> dict | None:
+    """torch's version and whether it sees CUDA, when it is installed (None when not)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return None
+    try:
+        import torch
+
+        return {"version": torch.__version__, "cuda": bool(torch.cuda.is_available())}
+    except Exception as exc:  # info must report, never crash
+        return {"version": "unimportable", "cuda": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def _tuned(name: str, device: object, versions: dict) -> list[dict]:
