@@ -40,20 +40,19 @@ PK_DEVICE_FN int ab_keep(PK_GLOBAL const unsigned char* PK_RESTRICT MASK, int b,
     return !has_mask || MASK[b * ms0 + h * ms1 + i * ms2 + j * ms3] != 0;
 }
 
-PK_KERNEL void attention_bwd_dkdv(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
-                                  PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
-                                  PK_GLOBAL const PK_T_T* PK_RESTRICT K,
-                                  PK_GLOBAL const PK_T_T* PK_RESTRICT V,
-                                  PK_GLOBAL const PK_ACC_T* PK_RESTRICT LSE,
-                                  PK_GLOBAL const PK_ACC_T* PK_RESTRICT DELTA,
-                                  PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
-                                  PK_GLOBAL PK_T_T* PK_RESTRICT DK,
-                                  PK_GLOBAL PK_T_T* PK_RESTRICT DVO,
-                                  int Sq, int Sk, int Hq, int group, int rows, PK_ACC_T scale,
-                                  int causal, int has_mask, int ms0, int ms1, int ms2, int ms3)
+/* the scalar path's dK/dV of key row r = (b, kv head, j) */
+PK_DEVICE_FN void ab_dkdv_row(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
+                              PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
+                              PK_GLOBAL const PK_T_T* PK_RESTRICT K,
+                              PK_GLOBAL const PK_T_T* PK_RESTRICT V,
+                              PK_GLOBAL const PK_ACC_T* PK_RESTRICT LSE,
+                              PK_GLOBAL const PK_ACC_T* PK_RESTRICT DELTA,
+                              PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
+                              PK_GLOBAL PK_T_T* PK_RESTRICT DK,
+                              PK_GLOBAL PK_T_T* PK_RESTRICT DVO,
+                              int Sq, int Sk, int Hq, int group, int r, PK_ACC_T scale,
+                              int causal, int has_mask, int ms0, int ms1, int ms2, int ms3)
 {
-    const int r = PK_GROUP_ID(0) * WG + PK_LOCAL_ID(0); /* (b, kv head, j) */
-    if (r >= rows) return;
     const int Hkv = Hq / group;
     const int bkv = r / Sk;
     const int j = r - bkv * Sk;
@@ -83,19 +82,18 @@ PK_KERNEL void attention_bwd_dkdv(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
     for (int e = 0; e < DV; ++e) PK_STORE_T(DVO, r * DV + e, dv[e]);
 }
 
-PK_KERNEL void attention_bwd_dq(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
-                                PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
-                                PK_GLOBAL const PK_T_T* PK_RESTRICT K,
-                                PK_GLOBAL const PK_T_T* PK_RESTRICT V,
-                                PK_GLOBAL const PK_ACC_T* PK_RESTRICT LSE,
-                                PK_GLOBAL const PK_ACC_T* PK_RESTRICT DELTA,
-                                PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
-                                PK_GLOBAL PK_T_T* PK_RESTRICT DQO,
-                                int Sq, int Sk, int Hq, int group, int rows, PK_ACC_T scale,
-                                int causal, int has_mask, int ms0, int ms1, int ms2, int ms3)
+/* the scalar path's dQ of query row r = (b, h, i) */
+PK_DEVICE_FN void ab_dq_row(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
+                            PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
+                            PK_GLOBAL const PK_T_T* PK_RESTRICT K,
+                            PK_GLOBAL const PK_T_T* PK_RESTRICT V,
+                            PK_GLOBAL const PK_ACC_T* PK_RESTRICT LSE,
+                            PK_GLOBAL const PK_ACC_T* PK_RESTRICT DELTA,
+                            PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
+                            PK_GLOBAL PK_T_T* PK_RESTRICT DQO,
+                            int Sq, int Sk, int Hq, int group, int r, PK_ACC_T scale,
+                            int causal, int has_mask, int ms0, int ms1, int ms2, int ms3)
 {
-    const int r = PK_GROUP_ID(0) * WG + PK_LOCAL_ID(0); /* (b, h, i) */
-    if (r >= rows) return;
     const int bh = r / Sq;
     const int i = r - bh * Sq;
     const int b = bh / Hq;
@@ -119,4 +117,345 @@ PK_KERNEL void attention_bwd_dq(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
         }
     }
     for (int d = 0; d < DQ; ++d) PK_STORE_T(DQO, r * DQ + d, dq[d] * scale);
+}
+
+PK_KERNEL void attention_bwd_dkdv(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
+                                  PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
+                                  PK_GLOBAL const PK_T_T* PK_RESTRICT K,
+                                  PK_GLOBAL const PK_T_T* PK_RESTRICT V,
+                                  PK_GLOBAL const PK_ACC_T* PK_RESTRICT LSE,
+                                  PK_GLOBAL const PK_ACC_T* PK_RESTRICT DELTA,
+                                  PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
+                                  PK_GLOBAL PK_T_T* PK_RESTRICT DK,
+                                  PK_GLOBAL PK_T_T* PK_RESTRICT DVO,
+                                  int Sq, int Sk, int Hq, int group, int rows, PK_ACC_T scale,
+                                  int causal, int has_mask, int ms0, int ms1, int ms2, int ms3)
+{
+    const int r = PK_GROUP_ID(0) * WG + PK_LOCAL_ID(0); /* (b, kv head, j) */
+    if (r >= rows) return;
+    ab_dkdv_row(DO, Q, K, V, LSE, DELTA, MASK, DK, DVO, Sq, Sk, Hq, group, r, scale, causal,
+                has_mask, ms0, ms1, ms2, ms3);
+}
+
+PK_KERNEL void attention_bwd_dq(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
+                                PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
+                                PK_GLOBAL const PK_T_T* PK_RESTRICT K,
+                                PK_GLOBAL const PK_T_T* PK_RESTRICT V,
+                                PK_GLOBAL const PK_ACC_T* PK_RESTRICT LSE,
+                                PK_GLOBAL const PK_ACC_T* PK_RESTRICT DELTA,
+                                PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
+                                PK_GLOBAL PK_T_T* PK_RESTRICT DQO,
+                                int Sq, int Sk, int Hq, int group, int rows, PK_ACC_T scale,
+                                int causal, int has_mask, int ms0, int ms1, int ms2, int ms3)
+{
+    const int r = PK_GROUP_ID(0) * WG + PK_LOCAL_ID(0); /* (b, h, i) */
+    if (r >= rows) return;
+    ab_dq_row(DO, Q, K, V, LSE, DELTA, MASK, DQO, Sq, Sk, Hq, group, r, scale, causal, has_mask,
+              ms0, ms1, ms2, ms3);
+}
+
+/* ---- The CPU vector path (AB_VEC: OpenCL vectors, storage type = compute type) ----------
+ * Five kernels: delta (above), two pack kernels, dK/dV and dQ. The packs copy, once, with
+ * zero padding to Skp / Sqp (multiples of BLK = NV * VEC):
+ *   KT[(kvh * DQ + d) * Skp + j] = K[kvh][j][d],  VT[(kvh * DV + e) * Skp + j] = V[kvh][j][e],
+ *   QT[(bh * DQ + d) * Sqp + i] = scale Q[bh][i][d], DOT[(bh * DV + e) * Sqp + i] = dO[bh][i][e],
+ *   LSEP[bh * Sqp + i] = LSE (+inf for a dead row and the padding: exp(s - inf) = 0, no NaN),
+ *   DELTAP[bh * Sqp + i] = DELTA (0 past Sq).
+ * dQ: one item = TQ query rows of one head; keys in blocks of BLK, VEC keys per vector: s and
+ * dP from KT/VT rows, P = exp(s - lse) (the vector exp), dS = P (dP - delta); then
+ * dQ += dS_j K_j as DQ / VEC vector FMAs per key (K rows read in place), each K row used by
+ * the TQ rows. dK/dV: one item = TK key rows of one kv head; the group's query heads and
+ * their rows in blocks of BLK, VEC queries per vector, from QT/DOT/LSEP/DELTAP; then
+ * dV += P_i dO_i and dK += dS_i Q_i, vectors over e and d. Blocks that a mask, the causal
+ * diagonal or the edge of Sk cuts are corrected lane by lane through memory (P = dS = 0 on
+ * keys not attended). Python picks VEC dividing D and DV (ab_vec in attention_backward.py). */
+#define AB_VEC (VEC > 1 && PK_HAS_VECTOR && PK_PLAIN_T)
+#define BLK (NV * VEC)
+#if AB_VEC
+typedef PK_CAT(PK_ACC_T, VEC) ab_vt;
+#define AB_VLOAD(c, p) PK_CAT(vload, VEC)(c, p)
+#define AB_VSTORE(x, c, p) PK_CAT(vstore, VEC)(x, c, p)
+#define NDQ (DQ_ / VEC)
+#define NDV (DV_ / VEC)
+#endif
+
+PK_KERNEL void attention_bwd_pack_kv(PK_GLOBAL const PK_T_T* PK_RESTRICT K,
+                                     PK_GLOBAL const PK_T_T* PK_RESTRICT V,
+                                     PK_GLOBAL PK_ACC_T* PK_RESTRICT KT,
+                                     PK_GLOBAL PK_ACC_T* PK_RESTRICT VT,
+                                     int Sk, int Skp, int rows)
+{
+    const int r = PK_GROUP_ID(0) * WG + PK_LOCAL_ID(0); /* (b, kv head, j < Skp) */
+    if (r >= rows) return;
+    const int kvh = r / Skp;
+    const int j = r - kvh * Skp;
+    const int ok = j < Sk;
+    for (int d = 0; d < DQ; ++d)
+        KT[(kvh * DQ + d) * Skp + j] = ok ? PK_LOAD_T(K, (kvh * Sk + j) * DQ + d) : (PK_ACC_T)0;
+    for (int e = 0; e < DV; ++e)
+        VT[(kvh * DV + e) * Skp + j] = ok ? PK_LOAD_T(V, (kvh * Sk + j) * DV + e) : (PK_ACC_T)0;
+}
+
+PK_KERNEL void attention_bwd_pack_q(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
+                                    PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
+                                    PK_GLOBAL const PK_ACC_T* PK_RESTRICT LSE,
+                                    PK_GLOBAL const PK_ACC_T* PK_RESTRICT DELTA,
+                                    PK_GLOBAL PK_ACC_T* PK_RESTRICT QT,
+                                    PK_GLOBAL PK_ACC_T* PK_RESTRICT DOT,
+                                    PK_GLOBAL PK_ACC_T* PK_RESTRICT LSEP,
+                                    PK_GLOBAL PK_ACC_T* PK_RESTRICT DELTAP,
+                                    int Sq, int Sqp, int rows, PK_ACC_T scale)
+{
+    const int r = PK_GROUP_ID(0) * WG + PK_LOCAL_ID(0); /* (b, h, i < Sqp) */
+    if (r >= rows) return;
+    const int bh = r / Sqp;
+    const int i = r - bh * Sqp;
+    const int ok = i < Sq;
+    const int qrow = bh * Sq + i;
+    for (int d = 0; d < DQ; ++d)
+        QT[(bh * DQ + d) * Sqp + i] = ok ? scale * PK_LOAD_T(Q, qrow * DQ + d) : (PK_ACC_T)0;
+    for (int e = 0; e < DV; ++e)
+        DOT[(bh * DV + e) * Sqp + i] = ok ? PK_LOAD_T(DO, qrow * DV + e) : (PK_ACC_T)0;
+    const PK_ACC_T lse = ok ? LSE[qrow] : -PK_INFINITY;
+    LSEP[r] = (lse == -PK_INFINITY) ? (PK_ACC_T)PK_INFINITY : lse;
+    DELTAP[r] = ok ? DELTA[qrow] : (PK_ACC_T)0;
+}
+
+PK_KERNEL void attention_bwd_dkdv_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
+                                      PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
+                                      PK_GLOBAL const PK_T_T* PK_RESTRICT K,
+                                      PK_GLOBAL const PK_T_T* PK_RESTRICT V,
+                                      PK_GLOBAL const PK_ACC_T* PK_RESTRICT LSE,
+                                      PK_GLOBAL const PK_ACC_T* PK_RESTRICT DELTA,
+                                      PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
+                                      PK_GLOBAL PK_T_T* PK_RESTRICT DK,
+                                      PK_GLOBAL PK_T_T* PK_RESTRICT DVO,
+                                      PK_GLOBAL const PK_ACC_T* PK_RESTRICT QT,
+                                      PK_GLOBAL const PK_ACC_T* PK_RESTRICT DOT,
+                                      PK_GLOBAL const PK_ACC_T* PK_RESTRICT LSEP,
+                                      PK_GLOBAL const PK_ACC_T* PK_RESTRICT DELTAP,
+                                      int Sq, int Sk, int Hq, int group, int nkb, int items,
+                                      PK_ACC_T scale, int causal, int has_mask, int ms0, int ms1,
+                                      int ms2, int ms3, int Sqp)
+{
+    const int it = PK_GROUP_ID(0); /* (b, kv head, block of TK keys) */
+    if (it >= items) return;
+    const int bkv = it / nkb;
+    const int j0 = (it - bkv * nkb) * TK;
+#if !AB_VEC
+    /* a dialect without vectors: the scalar path, key by key */
+    for (int t = 0; t < TK; ++t)
+        if (j0 + t < Sk)
+            ab_dkdv_row(DO, Q, K, V, LSE, DELTA, MASK, DK, DVO, Sq, Sk, Hq, group,
+                        bkv * Sk + j0 + t, scale, causal, has_mask, ms0, ms1, ms2, ms3);
+#else
+    const int Hkv = Hq / group;
+    const int b = bkv / Hkv;
+    const int kvh = bkv - b * Hkv;
+    PK_ACC_T kr[TK][DQ_], vr[TK][DV_];
+    ab_vt dk[TK][NDQ], dv[TK][NDV];
+    for (int t = 0; t < TK; ++t) {
+        const int row = bkv * Sk + min(j0 + t, Sk - 1);
+        for (int d = 0; d < DQ; ++d) kr[t][d] = PK_LOAD_T(K, row * DQ + d);
+        for (int e = 0; e < DV; ++e) vr[t][e] = PK_LOAD_T(V, row * DV + e);
+        #pragma unroll
+        for (int c = 0; c < NDQ; ++c) dk[t][c] = (ab_vt)(0);
+        #pragma unroll
+        for (int c = 0; c < NDV; ++c) dv[t][c] = (ab_vt)(0);
+    }
+    for (int hh = 0; hh < group; ++hh) {
+        const int h = kvh * group + hh;
+        const int bh = b * Hq + h;
+        const PK_GLOBAL PK_ACC_T* qt = QT + bh * DQ * Sqp;
+        const PK_GLOBAL PK_ACC_T* dot = DOT + bh * DV * Sqp;
+        const int ibeg = causal ? (j0 / BLK) * BLK : 0;
+        for (int i0 = ibeg; i0 < Sq; i0 += BLK) {
+            ab_vt sv[TK][NV], dpv[TK][NV];
+            #pragma unroll
+            for (int t = 0; t < TK; ++t)
+                #pragma unroll
+                for (int c = 0; c < NV; ++c) { sv[t][c] = (ab_vt)(0); dpv[t][c] = (ab_vt)(0); }
+            for (int d = 0; d < DQ; ++d) {
+                ab_vt x[NV];
+                #pragma unroll
+                for (int c = 0; c < NV; ++c) x[c] = AB_VLOAD(c, qt + d * Sqp + i0);
+                #pragma unroll
+                for (int t = 0; t < TK; ++t)
+                    #pragma unroll
+                    for (int c = 0; c < NV; ++c) sv[t][c] = fma((ab_vt)(kr[t][d]), x[c], sv[t][c]);
+            }
+            for (int e = 0; e < DV; ++e) {
+                ab_vt x[NV];
+                #pragma unroll
+                for (int c = 0; c < NV; ++c) x[c] = AB_VLOAD(c, dot + e * Sqp + i0);
+                #pragma unroll
+                for (int t = 0; t < TK; ++t)
+                    #pragma unroll
+                    for (int c = 0; c < NV; ++c)
+                        dpv[t][c] = fma((ab_vt)(vr[t][e]), x[c], dpv[t][c]);
+            }
+            PK_ACC_T pt[TK][BLK], dst[TK][BLK];
+            #pragma unroll
+            for (int c = 0; c < NV; ++c) {
+                const ab_vt lv = AB_VLOAD(c, LSEP + bh * Sqp + i0);
+                const ab_vt dl = AB_VLOAD(c, DELTAP + bh * Sqp + i0);
+                #pragma unroll
+                for (int t = 0; t < TK; ++t) {
+                    const ab_vt p = PK_VEXP(sv[t][c] - lv);
+                    AB_VSTORE(p, c, &pt[t][0]);
+                    AB_VSTORE(p * (dpv[t][c] - dl), c, &dst[t][0]);
+                }
+            }
+            if (has_mask || (causal && i0 < j0 + TK - 1)) { /* lane by lane */
+                for (int t = 0; t < TK; ++t) {
+                    const int jt = min(j0 + t, Sk - 1);
+                    for (int c = 0; c < BLK; ++c) {
+                        const int i = i0 + c;
+                        int ok = i < Sq && (!causal || i >= j0 + t);
+                        if (ok && has_mask) ok = MASK[b * ms0 + h * ms1 + i * ms2 + jt * ms3] != 0;
+                        if (!ok) { pt[t][c] = (PK_ACC_T)0; dst[t][c] = (PK_ACC_T)0; }
+                    }
+                }
+            }
+            const int iend = min(BLK, Sq - i0);
+            for (int c = 0; c < iend; ++c) {
+                const int qrow = bh * Sq + i0 + c;
+                ab_vt x[NDV > NDQ ? NDV : NDQ];
+                #pragma unroll
+                for (int u = 0; u < NDV; ++u) x[u] = AB_VLOAD(u, DO + qrow * DV);
+                #pragma unroll
+                for (int t = 0; t < TK; ++t) {
+                    const ab_vt pb = (ab_vt)(pt[t][c]);
+                    #pragma unroll
+                    for (int u = 0; u < NDV; ++u) dv[t][u] = fma(pb, x[u], dv[t][u]);
+                }
+                #pragma unroll
+                for (int u = 0; u < NDQ; ++u) x[u] = AB_VLOAD(u, Q + qrow * DQ);
+                #pragma unroll
+                for (int t = 0; t < TK; ++t) {
+                    const ab_vt db = (ab_vt)(dst[t][c]);
+                    #pragma unroll
+                    for (int u = 0; u < NDQ; ++u) dk[t][u] = fma(db, x[u], dk[t][u]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < TK; ++t) {
+        if (j0 + t >= Sk) continue;
+        const int row = bkv * Sk + j0 + t;
+        #pragma unroll
+        for (int u = 0; u < NDQ; ++u) AB_VSTORE(dk[t][u] * (ab_vt)(scale), u, DK + row * DQ);
+        #pragma unroll
+        for (int u = 0; u < NDV; ++u) AB_VSTORE(dv[t][u], u, DVO + row * DV);
+    }
+#endif
+}
+
+PK_KERNEL void attention_bwd_dq_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
+                                    PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
+                                    PK_GLOBAL const PK_T_T* PK_RESTRICT K,
+                                    PK_GLOBAL const PK_T_T* PK_RESTRICT V,
+                                    PK_GLOBAL const PK_ACC_T* PK_RESTRICT LSE,
+                                    PK_GLOBAL const PK_ACC_T* PK_RESTRICT DELTA,
+                                    PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
+                                    PK_GLOBAL PK_T_T* PK_RESTRICT DQO,
+                                    PK_GLOBAL const PK_ACC_T* PK_RESTRICT KT,
+                                    PK_GLOBAL const PK_ACC_T* PK_RESTRICT VT,
+                                    int Sq, int Sk, int Hq, int group, int nqb, int items,
+                                    PK_ACC_T scale, int causal, int has_mask, int ms0, int ms1,
+                                    int ms2, int ms3, int Skp)
+{
+    const int it = PK_GROUP_ID(0); /* (b, h, block of TQ queries) */
+    if (it >= items) return;
+    const int bh = it / nqb;
+    const int i0 = (it - bh * nqb) * TQ;
+#if !AB_VEC
+    for (int t = 0; t < TQ; ++t)
+        if (i0 + t < Sq)
+            ab_dq_row(DO, Q, K, V, LSE, DELTA, MASK, DQO, Sq, Sk, Hq, group, bh * Sq + i0 + t,
+                      scale, causal, has_mask, ms0, ms1, ms2, ms3);
+#else
+    const int b = bh / Hq;
+    const int h = bh - b * Hq;
+    const int kvb = b * (Hq / group) + h / group;
+    const PK_GLOBAL PK_ACC_T* kt = KT + kvb * DQ * Skp;
+    const PK_GLOBAL PK_ACC_T* vt = VT + kvb * DV * Skp;
+    const PK_GLOBAL PK_T_T* krow = K + kvb * Sk * DQ;
+    PK_ACC_T qs[TQ][DQ_], doi[TQ][DV_], ls[TQ], dl[TQ];
+    ab_vt dq[TQ][NDQ];
+    for (int t = 0; t < TQ; ++t) {
+        const int r = bh * Sq + min(i0 + t, Sq - 1);
+        for (int d = 0; d < DQ; ++d) qs[t][d] = scale * PK_LOAD_T(Q, r * DQ + d);
+        for (int e = 0; e < DV; ++e) doi[t][e] = PK_LOAD_T(DO, r * DV + e);
+        const PK_ACC_T lse = LSE[r];
+        /* a dead row (and a row past Sq): exp(s - inf) = 0, dQ = 0 */
+        ls[t] = (lse == -PK_INFINITY || i0 + t >= Sq) ? (PK_ACC_T)PK_INFINITY : lse;
+        dl[t] = DELTA[r];
+        #pragma unroll
+        for (int c = 0; c < NDQ; ++c) dq[t][c] = (ab_vt)(0);
+    }
+    const int kend = causal ? min(Sk, i0 + TQ) : Sk;
+    for (int k0 = 0; k0 < kend; k0 += BLK) {
+        ab_vt sv[TQ][NV], dpv[TQ][NV];
+        #pragma unroll
+        for (int t = 0; t < TQ; ++t)
+            #pragma unroll
+            for (int c = 0; c < NV; ++c) { sv[t][c] = (ab_vt)(0); dpv[t][c] = (ab_vt)(0); }
+        for (int d = 0; d < DQ; ++d) {
+            ab_vt x[NV];
+            #pragma unroll
+            for (int c = 0; c < NV; ++c) x[c] = AB_VLOAD(c, kt + d * Skp + k0);
+            #pragma unroll
+            for (int t = 0; t < TQ; ++t)
+                #pragma unroll
+                for (int c = 0; c < NV; ++c) sv[t][c] = fma((ab_vt)(qs[t][d]), x[c], sv[t][c]);
+        }
+        for (int e = 0; e < DV; ++e) {
+            ab_vt x[NV];
+            #pragma unroll
+            for (int c = 0; c < NV; ++c) x[c] = AB_VLOAD(c, vt + e * Skp + k0);
+            #pragma unroll
+            for (int t = 0; t < TQ; ++t)
+                #pragma unroll
+                for (int c = 0; c < NV; ++c) dpv[t][c] = fma((ab_vt)(doi[t][e]), x[c], dpv[t][c]);
+        }
+        PK_ACC_T dst[TQ][BLK];
+        #pragma unroll
+        for (int t = 0; t < TQ; ++t)
+            #pragma unroll
+            for (int c = 0; c < NV; ++c) {
+                const ab_vt p = PK_VEXP(sv[t][c] - (ab_vt)(ls[t]));
+                AB_VSTORE(p * (dpv[t][c] - (ab_vt)(dl[t])), c, &dst[t][0]);
+            }
+        if (has_mask || k0 + BLK > Sk || (causal && k0 + BLK - 1 > i0)) { /* lane by lane */
+            for (int t = 0; t < TQ; ++t) {
+                const int i = min(i0 + t, Sq - 1);
+                for (int c = 0; c < BLK; ++c) {
+                    const int j = k0 + c;
+                    int ok = j < Sk && (!causal || j <= i);
+                    if (ok && has_mask) ok = MASK[b * ms0 + h * ms1 + i * ms2 + j * ms3] != 0;
+                    if (!ok) dst[t][c] = (PK_ACC_T)0;
+                }
+            }
+        }
+        const int jn = min(BLK, Sk - k0);
+        for (int c = 0; c < jn; ++c) {
+            ab_vt x[NDQ];
+            #pragma unroll
+            for (int u = 0; u < NDQ; ++u) x[u] = AB_VLOAD(u, krow + (k0 + c) * DQ);
+            #pragma unroll
+            for (int t = 0; t < TQ; ++t) {
+                const ab_vt sb = (ab_vt)(dst[t][c]);
+                #pragma unroll
+                for (int u = 0; u < NDQ; ++u) dq[t][u] = fma(sb, x[u], dq[t][u]);
+            }
+        }
+    }
+    for (int t = 0; t < TQ; ++t) {
+        if (i0 + t >= Sq) continue;
+        const int r = bh * Sq + i0 + t;
+        #pragma unroll
+        for (int u = 0; u < NDQ; ++u) AB_VSTORE(dq[t][u] * (ab_vt)(scale), u, DQO + r * DQ);
+    }
+#endif
 }

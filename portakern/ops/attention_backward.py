@@ -37,6 +37,7 @@ from ..core import dtypes
 from ..core.errors import ShapeError
 from ..core.sampling import Case, Chooser, normal
 from ..core.spec import (
+    MAX_INDEX,
     ArrayMeta,
     Buf,
     Cost,
@@ -129,13 +130,52 @@ def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
                             "dv": (tuple(m["v"].shape), dt)})
 
 
+def ab_vec(p: Problem, cfg: Mapping[str, int]) -> int:
+    """The vector path's lanes (1: the scalar path). The CPU schedule's VEC, halved until it
+    divides D and Dv (so K, Q and dO rows are whole vectors); vectors only where the storage
+    type is the compute type (plain loads), with keys and queries to pack, and the packed
+    copies indexable with 32-bit ints. A dialect without vectors (CUDA) runs the same launches
+    on the scalar code (attention_backward.c)."""
+    d = p.derived
+    vec = int(cfg.get("VEC", 1))
+    if vec <= 1 or p.info.storage != p.info.compute or not d["Sq"] or not d["Sk"]:
+        return 1
+    if not d["D"] or not d["Dv"]:
+        return 1
+    while vec > 1 and (d["D"] % vec or d["Dv"] % vec):
+        vec //= 2
+    if vec <= 1:
+        return 1
+    blk = vec * cfg["NV"]
+    sqp, skp = cdiv(d["Sq"], blk) * blk, cdiv(d["Sk"], blk) * blk
+    width = max(d["D"], d["Dv"])
+    if max(d["B"] * d["Hq"] * width * sqp, d["B"] * d["Hkv"] * width * skp) > MAX_INDEX:
+        return 1
+    return vec
+
+
+def _padded(p: Problem, cfg: Mapping[str, int], vec: int) -> tuple[int, int]:
+    blk = vec * cfg["NV"]
+    return cdiv(p.derived["Sq"], blk) * blk, cdiv(p.derived["Sk"], blk) * blk
+
+
 def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
     d = p.derived
-    return {"delta": (max(1, d["B"] * d["Hq"] * d["Sq"]), attention.lse_dtype(p.dtype))}
+    lt = attention.lse_dtype(p.dtype)
+    ws = {"delta": (max(1, d["B"] * d["Hq"] * d["Sq"]), lt)}
+    vec = ab_vec(p, cfg)
+    if vec > 1:  # the packed copies (attention_backward.c): O(S D), never Sq x Sk
+        sqp, skp = _padded(p, cfg, vec)
+        bh, bkv = d["B"] * d["Hq"], d["B"] * d["Hkv"]
+        ws.update({"kt": (bkv * d["D"] * skp, lt), "vt": (bkv * d["Dv"] * skp, lt),
+                   "qt": (bh * d["D"] * sqp, lt), "dot": (bh * d["Dv"] * sqp, lt),
+                   "lsep": (bh * sqp, lt), "deltap": (bh * sqp, lt)})
+    return ws
 
 
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
-    return {"WG": cfg["WG"], "DQ": p.derived["D"], "DV": p.derived["Dv"]}
+    return {"WG": cfg["WG"], "DQ": p.derived["D"], "DV": p.derived["Dv"],
+            "VEC": ab_vec(p, cfg), "TQ": cfg["TQ"], "TK": cfg["TK"], "NV": cfg["NV"]}
 
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
@@ -152,14 +192,34 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     if rows_q:
         out.append(Launch("attention_bwd_delta", (cdiv(rows_q, wg), 1, 1), (wg, 1, 1),
                           (Buf("do"), Buf("o"), Buf("delta"), Scalar(rows_q))))
+    base = (Buf("do"), Buf("q"), Buf("k"), Buf("v"), Buf("lse"), Buf("delta"), Buf(mask))
+    vec = ab_vec(p, cfg)
+    if vec > 1:  # the CPU vector path: packs, then one item per TK keys / TQ queries
+        sqp, skp = _padded(p, cfg, vec)
+        bh, bkv = d["B"] * d["Hq"], d["B"] * d["Hkv"]
+        out.append(Launch("attention_bwd_pack_kv", (cdiv(bkv * skp, wg), 1, 1), (wg, 1, 1),
+                          (Buf("k"), Buf("v"), Buf("kt"), Buf("vt"), Scalar(d["Sk"]),
+                           Scalar(skp), Scalar(bkv * skp))))
+        out.append(Launch("attention_bwd_pack_q", (cdiv(bh * sqp, wg), 1, 1), (wg, 1, 1),
+                          (Buf("q"), Buf("do"), Buf("lse"), Buf("delta"), Buf("qt"),
+                           Buf("dot"), Buf("lsep"), Buf("deltap"), Scalar(d["Sq"]),
+                           Scalar(sqp), Scalar(bh * sqp), Scalar(p.params["scale"], "acc"))))
+        nkb = cdiv(d["Sk"], cfg["TK"])
+        out.append(Launch("attention_bwd_dkdv_vec", (bkv * nkb, 1, 1), (1, 1, 1),
+                          (*base, Buf("dk"), Buf("dv"), Buf("qt"), Buf("dot"), Buf("lsep"),
+                           Buf("deltap"), *common, Scalar(nkb), Scalar(bkv * nkb), *flags,
+                           Scalar(sqp))))
+        nqb = cdiv(d["Sq"], cfg["TQ"])
+        out.append(Launch("attention_bwd_dq_vec", (bh * nqb, 1, 1), (1, 1, 1),
+                          (*base, Buf("dq"), Buf("kt"), Buf("vt"), *common, Scalar(nqb),
+                           Scalar(bh * nqb), *flags, Scalar(skp))))
+        return out
     if rows_k:
         out.append(Launch("attention_bwd_dkdv", (cdiv(rows_k, wg), 1, 1), (wg, 1, 1),
-                          (Buf("do"), Buf("q"), Buf("k"), Buf("v"), Buf("lse"), Buf("delta"),
-                           Buf(mask), Buf("dk"), Buf("dv"), *common, Scalar(rows_k), *flags)))
+                          (*base, Buf("dk"), Buf("dv"), *common, Scalar(rows_k), *flags)))
     if rows_q:
         out.append(Launch("attention_bwd_dq", (cdiv(rows_q, wg), 1, 1), (wg, 1, 1),
-                          (Buf("do"), Buf("q"), Buf("k"), Buf("v"), Buf("lse"), Buf("delta"),
-                           Buf(mask), Buf("dq"), *common, Scalar(rows_q), *flags)))
+                          (*base, Buf("dq"), *common, Scalar(rows_q), *flags)))
     return out
 
 
@@ -281,15 +341,21 @@ SPEC = KernelSpec(
     params={"causal": False, "scale": None},
     validate=validate,
     semantics=semantics,
-    source=kernel_source("attention_backward.c"),
+    source=kernel_source("vexp.c", "attention_backward.c"),
     slots=lambda p: {"T": p.dtype},
     defines=defines,
     launches=launches,
     workspace=workspace,
     cost=cost,
     tolerance=tolerance,
-    tunables=(Tunable("WG", (1, 8, 16, 32, 64, 128, 256), "rows per work-group"),),
-    schedules={"gpu": {"WG": 128}, "cpu": {"WG": 8}},
+    tunables=(Tunable("WG", (1, 8, 16, 32, 64, 128, 256), "rows per work-group"),
+              Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes (CPU schedule, OpenCL; 1: the "
+                      "scalar path)"),
+              Tunable("TQ", (1, 2, 4, 8), "query rows per dQ work-item (vector path)"),
+              Tunable("TK", (1, 2, 4), "key rows per dK/dV work-item (vector path)"),
+              Tunable("NV", (1, 2, 4), "vectors per key/query block (vector path)")),
+    schedules={"gpu": {"WG": 128, "VEC": 1, "TQ": 1, "TK": 1, "NV": 1},
+               "cpu": {"WG": 8, "VEC": 16, "TQ": 4, "TK": 2, "NV": 2}},
     unspecified_nonfinite=True,
     cases=backward_case,
     example=example,

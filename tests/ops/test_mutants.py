@@ -182,34 +182,60 @@ MUTANTS = {
     "attention: lse from the next row": (
         "attention", "LSE[bh * Sq + qi] = dead", "LSE[bh * Sq + min(qi + 1, Sq - 1)] = dead",
         {}, "float32"),
+    # each site in the scalar path (GPU schedule) and in the vector path (CPU schedule)
     "attention_backward: delta missing": (
-        "attention_backward", "const PK_ACC_T ds = p * (dp - DELTA[qrow]);",
-        "const PK_ACC_T ds = p * dp;", {}, "float32"),
+        "attention_backward",
+        ("const PK_ACC_T ds = p * (dp - DELTA[qrow]);",
+         "AB_VSTORE(p * (dpv[t][c] - dl), c, &dst[t][0]);",
+         "AB_VSTORE(p * (dpv[t][c] - (ab_vt)(dl[t])), c, &dst[t][0]);"),
+        ("const PK_ACC_T ds = p * dp;", "AB_VSTORE(p * dpv[t][c], c, &dst[t][0]);",
+         "AB_VSTORE(p * dpv[t][c], c, &dst[t][0]);"), {}, "float32"),
     "attention_backward: the scale missing in dQ": (
-        "attention_backward", "PK_STORE_T(DQO, r * DQ + d, dq[d] * scale);",
-        "PK_STORE_T(DQO, r * DQ + d, dq[d]);", {}, "float32"),
+        "attention_backward",
+        ("PK_STORE_T(DQO, r * DQ + d, dq[d] * scale);",
+         "AB_VSTORE(dq[t][u] * (ab_vt)(scale), u, DQO + r * DQ);"),
+        ("PK_STORE_T(DQO, r * DQ + d, dq[d]);", "AB_VSTORE(dq[t][u], u, DQO + r * DQ);"), {},
+        "float32"),
     "attention_backward: the GQA sum drops a head": (
-        "attention_backward", "for (int hh = 0; hh < group; ++hh) {",
-        "for (int hh = 0; hh < (group > 1 ? group - 1 : 1); ++hh) {", {}, "float32"),
+        "attention_backward",
+        ("for (int hh = 0; hh < group; ++hh) {", "for (int hh = 0; hh < group; ++hh) {"),
+        ("for (int hh = 0; hh < (group > 1 ? group - 1 : 1); ++hh) {",
+         "for (int hh = 0; hh < (group > 1 ? group - 1 : 1); ++hh) {"), {}, "float32"),
     # the loop bounds and ab_keep both apply causal: a one-site edit of either bound that
     # widens it is masked by the other, so these drop the diagonal, and the last one shifts
-    # causal by one key everywhere in the backward (all three sites)
+    # causal by one key everywhere in the backward (all three sites; the vector path's lane
+    # tests and bounds too)
     "attention_backward: causal off by one (dQ drops the diagonal)": (
-        "attention_backward", "const int jend = causal ? min(i + 1, Sk) : Sk;",
-        "const int jend = causal ? min(i, Sk) : Sk;", {}, "float32"),
+        "attention_backward",
+        ("const int jend = causal ? min(i + 1, Sk) : Sk;",
+         "int ok = j < Sk && (!causal || j <= i);"),
+        ("const int jend = causal ? min(i, Sk) : Sk;",
+         "int ok = j < Sk && (!causal || j < i);"), {}, "float32"),
     "attention_backward: causal off by one (dK/dV drops the diagonal)": (
-        "attention_backward", "for (int i = causal ? j : 0; i < Sq; ++i) {",
-        "for (int i = causal ? j + 1 : 0; i < Sq; ++i) {", {}, "float32"),
+        "attention_backward",
+        ("for (int i = causal ? j : 0; i < Sq; ++i) {",
+         "int ok = i < Sq && (!causal || i >= j0 + t);"),
+        ("for (int i = causal ? j + 1 : 0; i < Sq; ++i) {",
+         "int ok = i < Sq && (!causal || i > j0 + t);"), {}, "float32"),
     "attention_backward: causal off by one key everywhere": (
         "attention_backward",
         ("    if (causal && j > i) return 0;", "const int jend = causal ? min(i + 1, Sk) : Sk;",
-         "for (int i = causal ? j : 0; i < Sq; ++i) {"),
+         "for (int i = causal ? j : 0; i < Sq; ++i) {",
+         "int ok = i < Sq && (!causal || i >= j0 + t);",
+         "const int ibeg = causal ? (j0 / BLK) * BLK : 0;",
+         "int ok = j < Sk && (!causal || j <= i);",
+         "const int kend = causal ? min(Sk, i0 + TQ) : Sk;"),
         ("    if (causal && j > i + 1) return 0;",
          "const int jend = causal ? min(i + 2, Sk) : Sk;",
-         "for (int i = causal ? (j > 0 ? j - 1 : 0) : 0; i < Sq; ++i) {"), {}, "float32"),
+         "for (int i = causal ? (j > 0 ? j - 1 : 0) : 0; i < Sq; ++i) {",
+         "int ok = i < Sq && (!causal || i + 1 >= j0 + t);",
+         "const int ibeg = causal ? ((j0 > 0 ? j0 - 1 : 0) / BLK) * BLK : 0;",
+         "int ok = j < Sk && (!causal || j <= i + 1);",
+         "const int kend = causal ? min(Sk, i0 + TQ + 1) : Sk;"), {}, "float32"),
     "attention_backward: lse from a different row": (
-        "attention_backward", "const PK_ACC_T lse = LSE[r];",
-        "const PK_ACC_T lse = LSE[r > 0 ? r - 1 : r];", {}, "float32"),
+        "attention_backward", ("const PK_ACC_T lse = LSE[r];", "const PK_ACC_T lse = LSE[r];"),
+        ("const PK_ACC_T lse = LSE[r > 0 ? r - 1 : r];",
+         "const PK_ACC_T lse = LSE[r > 0 ? r - 1 : r];"), {}, "float32"),
     # rmsnorm is registered like any user op: its mutants run through its spec's own generator
     "rmsnorm: missing barrier in the reduction": (
         "rmsnorm", "            lb[lid] += lb[lid + step];\n        }\n        PK_BARRIER();",
