@@ -157,8 +157,10 @@ PK_KERNEL void attention_bwd_dq(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
 /* ---- The CPU vector path (AB_VEC: OpenCL vectors, storage type = compute type) ----------
  * Five kernels: delta (above), two pack kernels, dK/dV and dQ. The packs copy, once, with
  * zero padding to Skp / Sqp (multiples of BLK = NV * VEC):
- *   KT[(kvh * DQ + d) * Skp + j] = K[kvh][j][d],  VT[(kvh * DV + e) * Skp + j] = V[kvh][j][e],
- *   QT[(bh * DQ + d) * Sqp + i] = scale Q[bh][i][d], DOT[(bh * DV + e) * Sqp + i] = dO[bh][i][e],
+ *   KT: per kv head and block of BLK keys, DQ rows of BLK: K[kvh][j][d] at
+ *       (kvh * Skp + j0) * DQ + d * BLK + (j - j0), j0 = j's block start (VT alike, DV rows);
+ *   QT (scale Q) and DOT (dO): per query head and block of BLK queries, the same way;
+ *   (a block's rows contiguous: rows Skp words apart would share the few cache sets),
  *   LSEP[bh * Sqp + i] = LSE (+inf for a dead row and the padding: exp(s - inf) = 0, no NaN),
  *   DELTAP[bh * Sqp + i] = DELTA (0 past Sq).
  * dQ: one item = TQ query rows of one head; keys in blocks of BLK, VEC keys per vector: s and
@@ -190,10 +192,13 @@ PK_KERNEL void attention_bwd_pack_kv(PK_GLOBAL const PK_T_T* PK_RESTRICT K,
     const int kvh = r / Skp;
     const int j = r - kvh * Skp;
     const int ok = j < Sk;
+    const int jb = r - j % BLK; /* the block's first key, counted over heads */
     for (int d = 0; d < DQ; ++d)
-        KT[(kvh * DQ + d) * Skp + j] = ok ? PK_LOAD_T(K, (kvh * Sk + j) * DQ + d) : (PK_ACC_T)0;
+        KT[jb * DQ + d * BLK + j % BLK] = ok ? PK_LOAD_T(K, (kvh * Sk + j) * DQ + d)
+                                             : (PK_ACC_T)0;
     for (int e = 0; e < DV; ++e)
-        VT[(kvh * DV + e) * Skp + j] = ok ? PK_LOAD_T(V, (kvh * Sk + j) * DV + e) : (PK_ACC_T)0;
+        VT[jb * DV + e * BLK + j % BLK] = ok ? PK_LOAD_T(V, (kvh * Sk + j) * DV + e)
+                                             : (PK_ACC_T)0;
 }
 
 PK_KERNEL void attention_bwd_pack_q(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
@@ -212,10 +217,12 @@ PK_KERNEL void attention_bwd_pack_q(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
     const int i = r - bh * Sqp;
     const int ok = i < Sq;
     const int qrow = bh * Sq + i;
+    const int ib = r - i % BLK; /* the block's first query, counted over heads */
     for (int d = 0; d < DQ; ++d)
-        QT[(bh * DQ + d) * Sqp + i] = ok ? scale * PK_LOAD_T(Q, qrow * DQ + d) : (PK_ACC_T)0;
+        QT[ib * DQ + d * BLK + i % BLK] = ok ? scale * PK_LOAD_T(Q, qrow * DQ + d)
+                                             : (PK_ACC_T)0;
     for (int e = 0; e < DV; ++e)
-        DOT[(bh * DV + e) * Sqp + i] = ok ? PK_LOAD_T(DO, qrow * DV + e) : (PK_ACC_T)0;
+        DOT[ib * DV + e * BLK + i % BLK] = ok ? PK_LOAD_T(DO, qrow * DV + e) : (PK_ACC_T)0;
     const PK_ACC_T lse = ok ? LSE[qrow] : -PK_INFINITY;
     LSEP[r] = (lse == -PK_INFINITY) ? (PK_ACC_T)PK_INFINITY : lse;
     DELTAP[r] = ok ? DELTA[qrow] : (PK_ACC_T)0;
@@ -266,10 +273,10 @@ PK_KERNEL void attention_bwd_dkdv_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
     for (int hh = 0; hh < group; ++hh) {
         const int h = kvh * group + hh;
         const int bh = b * Hq + h;
-        const PK_GLOBAL PK_ACC_T* qt = QT + bh * DQ * Sqp;
-        const PK_GLOBAL PK_ACC_T* dot = DOT + bh * DV * Sqp;
         const int ibeg = causal ? (j0 / BLK) * BLK : 0;
         for (int i0 = ibeg; i0 < Sq; i0 += BLK) {
+            const PK_GLOBAL PK_ACC_T* qt = QT + (bh * Sqp + i0) * DQ;
+            const PK_GLOBAL PK_ACC_T* dot = DOT + (bh * Sqp + i0) * DV;
             ab_vt sv[TK][NV], dpv[TK][NV];
             #pragma unroll
             for (int t = 0; t < TK; ++t)
@@ -278,7 +285,7 @@ PK_KERNEL void attention_bwd_dkdv_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
             for (int d = 0; d < DQ; ++d) {
                 ab_vt x[NV];
                 #pragma unroll
-                for (int c = 0; c < NV; ++c) x[c] = AB_VLOAD(c, qt + d * Sqp + i0);
+                for (int c = 0; c < NV; ++c) x[c] = AB_VLOAD(c, qt + d * BLK);
                 #pragma unroll
                 for (int t = 0; t < TK; ++t)
                     #pragma unroll
@@ -287,7 +294,7 @@ PK_KERNEL void attention_bwd_dkdv_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
             for (int e = 0; e < DV; ++e) {
                 ab_vt x[NV];
                 #pragma unroll
-                for (int c = 0; c < NV; ++c) x[c] = AB_VLOAD(c, dot + e * Sqp + i0);
+                for (int c = 0; c < NV; ++c) x[c] = AB_VLOAD(c, dot + e * BLK);
                 #pragma unroll
                 for (int t = 0; t < TK; ++t)
                     #pragma unroll
@@ -378,8 +385,6 @@ PK_KERNEL void attention_bwd_dq_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
     const int b = bh / Hq;
     const int h = bh - b * Hq;
     const int kvb = b * (Hq / group) + h / group;
-    const PK_GLOBAL PK_ACC_T* kt = KT + kvb * DQ * Skp;
-    const PK_GLOBAL PK_ACC_T* vt = VT + kvb * DV * Skp;
     const PK_GLOBAL PK_T_T* krow = K + kvb * Sk * DQ;
     PK_ACC_T qs[TQ][DQ_], doi[TQ][DV_], ls[TQ], dl[TQ];
     ab_vt dq[TQ][NDQ];
@@ -396,6 +401,8 @@ PK_KERNEL void attention_bwd_dq_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
     }
     const int kend = causal ? min(Sk, i0 + TQ) : Sk;
     for (int k0 = 0; k0 < kend; k0 += BLK) {
+        const PK_GLOBAL PK_ACC_T* kt = KT + (kvb * Skp + k0) * DQ;
+        const PK_GLOBAL PK_ACC_T* vt = VT + (kvb * Skp + k0) * DV;
         ab_vt sv[TQ][NV], dpv[TQ][NV];
         #pragma unroll
         for (int t = 0; t < TQ; ++t)
@@ -404,7 +411,7 @@ PK_KERNEL void attention_bwd_dq_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
         for (int d = 0; d < DQ; ++d) {
             ab_vt x[NV];
             #pragma unroll
-            for (int c = 0; c < NV; ++c) x[c] = AB_VLOAD(c, kt + d * Skp + k0);
+            for (int c = 0; c < NV; ++c) x[c] = AB_VLOAD(c, kt + d * BLK);
             #pragma unroll
             for (int t = 0; t < TQ; ++t)
                 #pragma unroll
@@ -413,7 +420,7 @@ PK_KERNEL void attention_bwd_dq_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
         for (int e = 0; e < DV; ++e) {
             ab_vt x[NV];
             #pragma unroll
-            for (int c = 0; c < NV; ++c) x[c] = AB_VLOAD(c, vt + e * Skp + k0);
+            for (int c = 0; c < NV; ++c) x[c] = AB_VLOAD(c, vt + e * BLK);
             #pragma unroll
             for (int t = 0; t < TQ; ++t)
                 #pragma unroll

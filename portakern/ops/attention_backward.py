@@ -355,7 +355,7 @@ SPEC = KernelSpec(
               Tunable("TK", (1, 2, 4), "key rows per dK/dV work-item (vector path)"),
               Tunable("NV", (1, 2, 4), "vectors per key/query block (vector path)")),
     schedules={"gpu": {"WG": 128, "VEC": 1, "TQ": 1, "TK": 1, "NV": 1},
-               "cpu": {"WG": 8, "VEC": 16, "TQ": 4, "TK": 2, "NV": 2}},
+               "cpu": {"WG": 8, "VEC": 16, "TQ": 4, "TK": 4, "NV": 2}},
     unspecified_nonfinite=True,
     cases=backward_case,
     example=example,
