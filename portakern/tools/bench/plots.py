@@ -36,7 +36,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-UNIT = {"softmax": "GB/s", "matmul": "GFLOP/s", "attention": "GFLOP/s"}
+UNIT = {"softmax": "GB/s", "matmul": "GFLOP/s", "attention": "GFLOP/s",
+        "attention_backward": "GFLOP/s"}
 MEMORY_BOUND_INTENSITY = 2.0  # FLOP/byte: below this an op is plotted in GB/s
 MAX_SERIES = 6  # bars per case group
 COLOURS = {"ours": "#1f77b4", "unfused": "#aec7e8", "numpy": "#ff7f0e", "torch": "#d62728",
