@@ -187,6 +187,7 @@ def test_gradients_are_never_dropped_silently() -> None:
 
 # --- custom ops, user ops ------------------------------------------------------------------
 def test_every_op_is_a_custom_op_in_the_portakern_namespace() -> None:
+    assert torch_ops.torch is torch  # torch_ops' `import torch` is torch, not portakern.torch
     for name in ("matmul", "softmax", "attention", "rmsnorm", "attention_backward"):
         assert name in pkt.registered()
         assert isinstance(getattr(torch.ops.portakern, name), torch._ops.OpOverloadPacket)
