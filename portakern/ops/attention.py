@@ -52,17 +52,9 @@ from ..core.spec import (
 )
 from . import attention_pallas, attention_xla  # import jax only when called
 from ._common import broadcast_strides, cdiv, kernel_source, need_rank
+from .attention_math import keep_matrix
 
 LOCAL_BUDGET_BYTES = 32 * 1024  # K/V tiles must fit this; BK is capped to honour it
-
-
-def keep_matrix(xp: Any, sq: int, sk: int, causal: bool, mask: Any) -> Any:
-    keep = None
-    if causal:
-        keep = xp.arange(sq)[:, None] >= xp.arange(sk)[None, :]
-    if mask is not None:
-        keep = mask if keep is None else xp.logical_and(keep, mask)
-    return keep
 
 
 def semantics(xp: Any, q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False,
@@ -524,6 +516,12 @@ def pallas_build(problem: Problem, interpret: bool, **kw: Any) -> Any:
     kw.setdefault("semantics", semantics)
     return attention_pallas.build(problem, interpret, **kw)
 
+def xla_build(problem: Problem, traced: tuple[str, ...]) -> Any:
+    """The spec's ``xla`` field: attention_xla.build with this op's semantics as the forward
+    (passed, not imported there: no import cycle between the attention modules)."""
+    return attention_xla.build(problem, traced, semantics=semantics)
+
+
 # --- representative calls: what `portakern show`/`tune` render and the compile checks compile
 Example = tuple[str, dict[str, Any], dict[str, Any]]
 
@@ -579,7 +577,7 @@ SPEC = KernelSpec(
                # CPU: RQ=4 (16 queries per item): their scaled rows (4 KiB) and a 16 KiB K
                # tile and V tile stay nearer L1 than with RQ=8 (8 KiB of rows)
                "cpu": {"BQ": 1, "BK": 64, "TQ": 4, "RQ": 4, "VEC": 16, "PACK_KV": 1}},
-    xla=attention_xla.build,
+    xla=xla_build,
     pallas=PallasKernel(pallas_build, tunables=attention_pallas.TUNABLES,
                         aliases={"BQ": "block_q", "BK": "block_k"},
                         check=attention_pallas.block_config),

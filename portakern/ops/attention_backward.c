@@ -58,9 +58,14 @@ PK_DEVICE_FN void ab_dkdv_row(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
     const int j = r - bkv * Sk;
     const int b = bkv / Hkv;
     const int kvh = bkv - b * Hkv;
-    PK_ACC_T kj[DQ_], vj[DV_], dk[DQ_], dv[DV_];
-    for (int d = 0; d < DQ; ++d) { kj[d] = PK_LOAD_T(K, r * DQ + d); dk[d] = (PK_ACC_T)0; }
-    for (int e = 0; e < DV; ++e) { vj[e] = PK_LOAD_T(V, r * DV + e); dv[e] = (PK_ACC_T)0; }
+    /* Registers hold only the dK and dV accumulators (fully unrolled: DQ and DV are
+     * compile-time constants); the key's own K and V rows are re-read from the cache, so a
+     * GPU item fits its register budget without spilling (`portakern resources`). */
+    PK_ACC_T dk[DQ_], dv[DV_];
+    #pragma unroll
+    for (int d = 0; d < DQ_; ++d) dk[d] = (PK_ACC_T)0;
+    #pragma unroll
+    for (int e = 0; e < DV_; ++e) dv[e] = (PK_ACC_T)0;
     for (int hh = 0; hh < group; ++hh) {
         const int h = kvh * group + hh;
         const int bh = b * Hq + h;
@@ -70,15 +75,23 @@ PK_DEVICE_FN void ab_dkdv_row(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
             if (lse == -PK_INFINITY) continue; /* a dead row: P = 0 */
             const int qrow = (bh * Sq + i);
             PK_ACC_T s = (PK_ACC_T)0, dp = (PK_ACC_T)0;
-            for (int d = 0; d < DQ; ++d) s += (scale * PK_LOAD_T(Q, qrow * DQ + d)) * kj[d];
-            for (int e = 0; e < DV; ++e) dp += PK_LOAD_T(DO, qrow * DV + e) * vj[e];
+            #pragma unroll 8
+            for (int d = 0; d < DQ; ++d)
+                s += (scale * PK_LOAD_T(Q, qrow * DQ + d)) * PK_LOAD_T(K, r * DQ + d);
+            #pragma unroll 8
+            for (int e = 0; e < DV; ++e)
+                dp += PK_LOAD_T(DO, qrow * DV + e) * PK_LOAD_T(V, r * DV + e);
             const PK_ACC_T p = exp(s - lse);
             const PK_ACC_T ds = p * (dp - DELTA[qrow]);
+            #pragma unroll
             for (int e = 0; e < DV; ++e) dv[e] += p * PK_LOAD_T(DO, qrow * DV + e);
+            #pragma unroll
             for (int d = 0; d < DQ; ++d) dk[d] += ds * PK_LOAD_T(Q, qrow * DQ + d);
         }
     }
+    #pragma unroll
     for (int d = 0; d < DQ; ++d) PK_STORE_T(DK, r * DQ + d, dk[d] * scale);
+    #pragma unroll
     for (int e = 0; e < DV; ++e) PK_STORE_T(DVO, r * DV + e, dv[e]);
 }
 
@@ -99,9 +112,11 @@ PK_DEVICE_FN void ab_dq_row(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
     const int b = bh / Hq;
     const int h = bh - b * Hq;
     const int kvrow0 = (b * (Hq / group) + h / group) * Sk;
-    PK_ACC_T qs[DQ_], doi[DV_], dq[DQ_];
-    for (int d = 0; d < DQ; ++d) { qs[d] = scale * PK_LOAD_T(Q, r * DQ + d); dq[d] = (PK_ACC_T)0; }
-    for (int e = 0; e < DV; ++e) doi[e] = PK_LOAD_T(DO, r * DV + e);
+    /* Registers hold only the dQ accumulators; q (scaled as the forward scales it) and dO
+     * are re-read from the cache per key (see ab_dkdv_row). */
+    PK_ACC_T dq[DQ_];
+    #pragma unroll
+    for (int d = 0; d < DQ_; ++d) dq[d] = (PK_ACC_T)0;
     const PK_ACC_T lse = LSE[r];
     const PK_ACC_T delta = DELTA[r];
     const int jend = causal ? min(i + 1, Sk) : Sk;
@@ -110,16 +125,22 @@ PK_DEVICE_FN void ab_dq_row(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
             if (!ab_keep(MASK, b, h, i, j, causal, has_mask, ms0, ms1, ms2, ms3)) continue;
             const int kr = kvrow0 + j;
             PK_ACC_T s = (PK_ACC_T)0, dp = (PK_ACC_T)0;
-            for (int d = 0; d < DQ; ++d) s += qs[d] * PK_LOAD_T(K, kr * DQ + d);
-            for (int e = 0; e < DV; ++e) dp += doi[e] * PK_LOAD_T(V, kr * DV + e);
+            #pragma unroll 8
+            for (int d = 0; d < DQ; ++d)
+                s += (scale * PK_LOAD_T(Q, r * DQ + d)) * PK_LOAD_T(K, kr * DQ + d);
+            #pragma unroll 8
+            for (int e = 0; e < DV; ++e)
+                dp += PK_LOAD_T(DO, r * DV + e) * PK_LOAD_T(V, kr * DV + e);
             const PK_ACC_T ds = exp(s - lse) * (dp - delta);
+            #pragma unroll
             for (int d = 0; d < DQ; ++d) dq[d] += ds * PK_LOAD_T(K, kr * DQ + d);
         }
     }
+    #pragma unroll
     for (int d = 0; d < DQ; ++d) PK_STORE_T(DQO, r * DQ + d, dq[d] * scale);
 }
 
-PK_KERNEL void attention_bwd_dkdv(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
+PK_KERNEL PK_LAUNCH_BOUNDS(WG, 1) void attention_bwd_dkdv(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
                                   PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                                   PK_GLOBAL const PK_T_T* PK_RESTRICT K,
                                   PK_GLOBAL const PK_T_T* PK_RESTRICT V,
@@ -137,7 +158,7 @@ PK_KERNEL void attention_bwd_dkdv(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
                 has_mask, ms0, ms1, ms2, ms3);
 }
 
-PK_KERNEL void attention_bwd_dq(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
+PK_KERNEL PK_LAUNCH_BOUNDS(WG, 1) void attention_bwd_dq(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
                                 PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                                 PK_GLOBAL const PK_T_T* PK_RESTRICT K,
                                 PK_GLOBAL const PK_T_T* PK_RESTRICT V,

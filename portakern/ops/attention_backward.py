@@ -48,57 +48,15 @@ from ..core.spec import (
     Scalar,
     Tunable,
 )
-from . import attention
+from . import attention, attention_math
 from ._common import cdiv, kernel_source, need_rank
-
-
-def _probabilities(xp: Any, q: Any, k: Any, lse: Any, mask: Any, causal: bool, scale: float
-                   ) -> tuple[Any, Any]:
-    """(P, s) with k repeated to the query heads: P = exp(s - lse) where attended, else 0."""
-    s = xp.matmul(q * scale, xp.swapaxes(k, -1, -2))
-    keep = attention.keep_matrix(xp, q.shape[2], k.shape[2], causal, mask)
-    alive = lse != -xp.inf
-    lse_safe = xp.where(alive, lse, xp.zeros_like(lse))[..., None]
-    ok = alive[..., None] if keep is None else xp.logical_and(keep, alive[..., None])
-    p = xp.where(ok, xp.exp(xp.where(ok, s, lse_safe) - lse_safe), xp.zeros_like(s))
-    return p, s
-
-
-def analytic(xp: Any, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, mask: Any = None,
-             causal: bool = False, scale: float | None = None, dlse: Any = None
-             ) -> tuple[Any, Any, Any]:
-    """The analytic backward (module docstring), the one formula behind the float64 oracle,
-    the jax backend's XLA gradient (ops/attention_xla.py) and, through them, every test.
-
-    ``dlse``: the cotangent of the forward's lse (B, Hq, Sq) when the caller differentiates
-    it too (d lse_i / d s_ij = P_ij, so dS = P * (dP - delta + dlse))."""
-    hq, hkv = q.shape[1], k.shape[1]
-    g = hq // hkv
-    if scale is None:
-        scale = 1.0 / float(np.sqrt(q.shape[-1])) if q.shape[-1] else 1.0
-    kr = xp.repeat(k, g, axis=1) if g > 1 else k
-    vr = xp.repeat(v, g, axis=1) if g > 1 else v
-    p, s = _probabilities(xp, q, kr, lse, mask, causal, scale)
-    delta = xp.sum(do * o, axis=-1)[..., None]
-    if dlse is not None:
-        delta = delta - dlse[..., None]
-    dv = xp.matmul(xp.swapaxes(p, -1, -2), do)
-    dp = xp.matmul(do, xp.swapaxes(vr, -1, -2))
-    ds = p * (dp - delta)
-    dq = xp.matmul(ds, kr) * scale
-    dk = xp.matmul(xp.swapaxes(ds, -1, -2), q) * scale
-    if g > 1:  # the group's sum: (B, Hkv, g, Sk, D) summed over g
-        b, sk = k.shape[0], k.shape[2]
-        dk = xp.sum(xp.reshape(dk, (b, hkv, g, sk, k.shape[3])), axis=2)
-        dv = xp.sum(xp.reshape(dv, (b, hkv, g, sk, v.shape[3])), axis=2)
-    return dq, dk, dv
 
 
 def semantics(xp: Any, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, mask: Any = None,
               causal: bool = False, scale: float | None = None) -> tuple[Any, Any, Any]:
-    """The analytic backward, written once (``analytic``): the float64 oracle, and the jax
-    backend's XLA formulation (no autodiff of the unfused chain)."""
-    return analytic(xp, do, q, k, v, o, lse, mask, causal, scale)
+    """The analytic backward, written once (``attention_math.analytic``): the float64 oracle,
+    and the jax backend's XLA formulation (no autodiff of the unfused chain)."""
+    return attention_math.analytic(xp, do, q, k, v, o, lse, mask, causal, scale)
 
 
 def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
@@ -229,10 +187,15 @@ def cost(p: Problem) -> Cost:
     bh = d["B"] * d["Hq"]
     isz = p.info.storage.itemsize
     width = d["D"] + d["Dv"]
-    # recompute s, dP (2 dots), dV, dQ, dK: 2 (2 D + 2 Dv) flops per pair, dQ and dK/dV apart
-    flops = 2.0 * bh * pairs * (3 * d["D"] + 2 * d["Dv"]) * 2 - 2.0 * bh * pairs * d["Dv"]
-    nbytes = isz * (bh * d["Sq"] * (2 * d["D"] + 2 * d["Dv"])
-                    + 2 * d["B"] * d["Hkv"] * d["Sk"] * width)
+    # the algorithm's five products per (query, key) pair, as FlashAttention-2 counts them
+    # (2.5x the forward's at D = Dv): s = q.k and dQ, dK (D each), dP = dO.v and dV (Dv each).
+    # The kernels compute s and dP twice (in dK/dV and in dQ); that is our overhead, not work
+    # the roofline should credit.
+    flops = 2.0 * bh * pairs * (3 * d["D"] + 2 * d["Dv"])
+    acc = p.info.compute.itemsize  # lse, in the compute type
+    # read do, q, o, k, v, lse once; write dq, dk, dv once
+    nbytes = (isz * (bh * d["Sq"] * (2 * d["D"] + 2 * d["Dv"])
+                     + 2 * d["B"] * d["Hkv"] * d["Sk"] * width) + acc * bh * d["Sq"])
     return Cost(flops=float(flops), bytes=float(nbytes))
 
 
@@ -245,7 +208,8 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], refs: Any) -> tuple[np.ndarr
     do, q, out, lse = x["do"], x["q"], x["o"], x["lse"]
     k, v = np.repeat(x["k"], g, axis=1), np.repeat(x["v"], g, axis=1)
     with np.errstate(all="ignore"):
-        pr, s = _probabilities(np, q, k, lse, x.get("mask"), p.params["causal"], scale)
+        pr, s = attention_math.probabilities(np, q, k, lse, x.get("mask"), p.params["causal"],
+                                             scale)
         qs = np.abs(q * scale)
         es = 2.0 * d["D"] * u * np.matmul(qs, np.swapaxes(np.abs(k), -1, -2)) + 2.0 * u * np.abs(s)
         dlse = np.where(np.isfinite(lse), lse, 0.0)[..., None]

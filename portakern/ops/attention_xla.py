@@ -5,12 +5,12 @@ analytic backward rather than by autodiff of the unfused chain.
 unfused forward (the max, the exp, the division, the where's) and keep their Sq x Sk
 intermediates as residuals. Here the forward is the same semantics, asked for its log-sum-
 exp too, under a ``jax.custom_vjp`` whose residuals are (q, k, v, mask, out, lse) and whose
-backward is ``attention_backward.analytic``: P recomputed from lse, dS = P (dP - delta), the
-formula the float64 oracle and the C kernels use. The boolean mask gets no cotangent, and
-``scale`` a zero one: it is a traced argument only so that one compiled function serves every
-scale (``pk.attention`` takes it as a concrete number and refuses a tracer, so no caller can
-differentiate it; a zero also stays unvarying under ``shard_map``, where a sum over the
-shard's rows would not).
+backward is ``attention_math.analytic`` (attention_backward's semantics): P recomputed from
+lse, dS = P (dP - delta), the formula the float64 oracle and the C kernels use. The boolean
+mask gets no cotangent, and ``scale`` a zero one: it is a traced argument only so that one
+compiled function serves every scale (``pk.attention`` takes it as a concrete number and
+refuses a tracer, so no caller can differentiate it; a zero also stays unvarying under
+``shard_map``, where a sum over the shard's rows would not).
 
 Nothing here imports jax at module import time.
 """
@@ -25,13 +25,14 @@ from ..core import dtypes
 from ..core.spec import Problem
 
 
-def build(problem: Problem, traced: tuple[str, ...]) -> Any:
+def build(problem: Problem, traced: tuple[str, ...], *, semantics: Any) -> Any:
     """``fn(q, k, v, mask, *traced values)``: out (or (out, lse) with return_lse) in the
-    storage dtype (lse in the compute type), differentiable by the analytic backward."""
+    storage dtype (lse in the compute type), differentiable by the analytic backward.
+    ``semantics``: attention's (attention.xla_build passes it)."""
     import jax
     import jax.numpy as jnp
 
-    from . import attention, attention_backward
+    from . import attention_math
 
     info = dtypes.info(problem.dtype)
     compute, storage = np.dtype(info.compute), np.dtype(info.storage)
@@ -48,7 +49,7 @@ def build(problem: Problem, traced: tuple[str, ...]) -> Any:
         return None if x is None else x.astype(compute)
 
     def forward(q: Any, k: Any, v: Any, mask: Any, *values: Any) -> tuple[Any, Any]:
-        out, lse = attention.semantics(jnp, widen(q), widen(k), widen(v),
+        out, lse = semantics(jnp, widen(q), widen(k), widen(v),
                                        None if mask is None else mask.astype(bool),
                                        return_lse=True, **named(values))
         return out.astype(storage), lse.astype(compute)
@@ -66,7 +67,7 @@ def build(problem: Problem, traced: tuple[str, ...]) -> Any:
         q, k, v, mask, out, lse, values = res
         g_out, g_lse = g
         kw = named(values)
-        dq, dk, dv = attention_backward.analytic(
+        dq, dk, dv = attention_math.analytic(
             jnp, widen(g_out), widen(q), widen(k), widen(v), widen(out), lse,
             None if mask is None else mask.astype(bool), kw["causal"], kw["scale"],
             dlse=widen(g_lse))

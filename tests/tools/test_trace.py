@@ -89,6 +89,29 @@ def test_attention_writes_only_output_and_workspace(sim, schedule: str, case: in
             assert la.global_load_bytes == isz * (np.prod(k) + np.prod(v))
 
 
+@pytest.mark.parametrize("schedule", ["gpu", "cpu"])
+def test_attention_backward_never_writes_a_score_matrix(sim, schedule: str) -> None:  # noqa: ANN001
+    """Issue 28: the fused backward writes dq, dk, dv and its O(S) workspaces (delta; on the
+    cpu schedule the packed copies), never an Sq x Sk buffer: every byte the launches store
+    is accounted for, and at this shape one score matrix alone would be larger."""
+    B, Hq, Hkv, Sq, Sk, D, Dv = 1, 2, 1, 48, 40, 8, 8
+    shapes = {"do": (B, Hq, Sq, Dv), "q": (B, Hq, Sq, D), "k": (B, Hkv, Sk, D),
+              "v": (B, Hkv, Sk, Dv), "o": (B, Hq, Sq, Dv), "lse": (B, Hq, Sq)}
+    t = trace("attention_backward", shapes, schedule=schedule, params={"causal": True},
+              backend=sim)
+    spec = get_op("attention_backward")
+    ins = make_inputs(spec, shapes, "float32")
+    bound, params = spec.bind((), {**ins, "causal": True})
+    prob = spec.problem(bound, params)
+    ws = spec.workspace(prob, t.config)
+    isz = 4
+    grads = isz * (B * Hq * Sq * D + B * Hkv * Sk * (D + Dv))
+    scratch = isz * sum(n for n, _ in ws.values())
+    assert t.totals["global_store_bytes"] == grads + scratch, (t.totals, ws)
+    assert scratch < isz * B * Hq * Sq * Sk  # O(S) workspace, not a score matrix
+    assert isz * Sq * Sk > grads  # one score matrix would outweigh every gradient written
+
+
 @pytest.mark.parametrize("schedule,dtype,reads_x,reads_y,writes_y", [
     ("gpu", "float32", 2, 0, 1),  # online statistics pass, then the output pass
     ("gpu", "float16", 2, 0, 1),
