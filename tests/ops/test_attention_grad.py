@@ -105,3 +105,19 @@ def test_bad_lse_and_do_are_refused_before_any_work() -> None:
         pk.attention_backward(w[..., :-1], q, k, v, out, lse, backend="numpy")
     with pytest.raises(pk.DTypeError):
         pk.attention_backward(w.astype(np.float16), q, k, v, out, lse, backend="numpy")
+
+
+def test_attention_backward_head_dims_up_to_256() -> None:
+    """Issue 28: D and Dv up to 256 (the kernels' register arrays and packed rows are sized
+    by them at compile time), on every C-kernel target, against float64 autodiff."""
+    from conftest import KERNEL_TARGETS
+
+    if not KERNEL_TARGETS:
+        pytest.skip("no C-kernel backend here")
+    for d, dv in ((256, 256), (128, 40)):
+        q, k, v, w, mask = _inputs(4, B=1, Hq=2, Hkv=1, Sq=11, Sk=13, D=d, Dv=dv)
+        ref = _f64_grads(q, k, v, w, mask, False, None)
+        out, lse = pk.attention(q, k, v, mask=mask, return_lse=True, backend="numpy")
+        for target in KERNEL_TARGETS:
+            got = pk.attention_backward(w, q, k, v, out, lse, mask=mask, backend=target)
+            _close(got, ref, f"{target} D={d} Dv={dv}")
