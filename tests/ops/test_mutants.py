@@ -348,12 +348,16 @@ def test_simulator_mutant_is_caught(name: str) -> None:
     rng = np.random.default_rng(11)
     cases = [[rng.standard_normal(s).astype(dtype) for s in shape] for shape in shapes]
     config = {**spec.config("gpu"), **cfg}
-    # the values do not catch it: on every C-kernel target the oracle accepts the mutant
+    # the values need not catch it: on some C-kernel target the oracle accepts the mutant
+    # (what an uninitialised read returns is the runtime's: PoCL's local memory holds earlier
+    # finite data, while Intel's CPU runtime has been seen to return NaN there)
+    missed = []
     for target in kernel_targets():
-        for arrays in cases:
-            case = Case(dict(zip([o.name for o in spec.operands], arrays)), {})
-            out = pk.call(mutant, *arrays, backend=target, config=config)
-            assert compare(spec, case, out).ok, f"{name!r} is caught by values on {target}"
+        if all(compare(spec, Case(dict(zip([o.name for o in spec.operands], arrays)), {}),
+                       pk.call(mutant, *arrays, backend=target, config=config)).ok
+               for arrays in cases):
+            missed.append(target)
+    assert missed or not kernel_targets(), f"{name!r} is caught by values on every target"
     if not _simulator_available():
         pytest.skip("opencl:oclgrind: the Oclgrind simulator is not installed")
     with pytest.raises(pk.KernelFaultError) as info:
