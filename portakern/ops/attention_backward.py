@@ -248,12 +248,15 @@ def backward_case(ch: Chooser, dtype: str) -> Case:
     b = ch.choice((1, 2))
     hkv = ch.choice((1, 2))
     hq = hkv * ch.choice((1, 2, 3))
-    sq = ch.choice((1, 2, 7, 16, 17, 33))
-    sk = sq if ch.boolean(0.3) else ch.choice((1, 2, 16, 17, 33))
+    # lengths of 1 and 2, tile edges, and a long one: dK/dV sum over Sq * group rows and dQ
+    # over Sk keys, each with its own rounding budget in the tolerance
+    sq = ch.choice((1, 2, 7, 16, 17, 33, 257))
+    sk = sq if ch.boolean(0.3) else ch.choice((1, 2, 16, 17, 33, 300))
     dh = ch.choice((8, 16, 40, 64))
     dv = dh if ch.boolean(0.7) else ch.choice((16, 24))
     causal = ch.boolean(0.4)
-    scale = None if ch.boolean(0.6) else ch.choice((0.05, 0.5, 2.0))
+    # tiny (every P nearly uniform) and huge (one key takes each row) scales as well
+    scale = None if ch.boolean(0.6) else ch.choice((1e-6, 0.05, 0.5, 2.0, 30.0))
     mag = ch.choice((1.0, 1.0, 4.0))
     q = normal(rng, (b, hq, sq, dh), dtype, mag)
     k = normal(rng, (b, hkv, sk, dh), dtype, mag)
