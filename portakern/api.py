@@ -89,16 +89,26 @@ def softmax(x: Any, axis: int = _AXIS, *, backend: str | Backend | None = None,
 
 def attention(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
               scale: float | None = None, return_lse: bool = False,
+              window: int | tuple[int, int | None] | None = None, softcap: float | None = None,
+              bias: Any = None, alibi_slopes: Any = None,
               backend: str | Backend | None = None,
               config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
-    """Fused softmax(scale q k^T [causal, mask]) v; rows with no key to attend give 0.
+    """Fused softmax(mods(scale q k^T) [causal, window, mask]) v; rows with no key to attend
+    give 0.
+
+    Score modifiers, in this order, before masking: ``bias`` (float, broadcastable to
+    (B, Hq, Sq, Sk)) is added; ``alibi_slopes`` (Hq,) float32 adds -slope * |i - j|;
+    ``softcap`` c maps s to c * tanh(s / c). ``window``: an int ``left`` or a pair
+    (left, right): query i attends key j only when i - left <= j (and j <= i + right).
 
     ``return_lse=True``: ``(out, lse)``, lse (B, Hq, Sq) the log-sum-exp of each row's scaled
     scores (float32; float64 for float64 inputs), -inf for a row with no key to attend: what
     ``attention_backward`` recomputes the probabilities from."""
     if q.__class__ in _TORCH:
         return _torch("attention", (q, k, v), {**kwargs, "mask": mask, "causal": causal,
-                                               "scale": scale, "return_lse": return_lse},
+                                               "scale": scale, "return_lse": return_lse,
+                                               "window": window, "softcap": softcap,
+                                               "bias": bias, "alibi_slopes": alibi_slopes},
                       backend, config)
     out = kwargs.pop("out", None)
     if mask is not None:  # the spec's defaults are left out: a shorter plan key, and no
@@ -109,6 +119,14 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
         kwargs["scale"] = scale
     if return_lse is not False:
         kwargs["return_lse"] = return_lse
+    if window is not None:
+        kwargs["window"] = window
+    if softcap is not None:
+        kwargs["softcap"] = softcap
+    if bias is not None:
+        kwargs["bias"] = bias
+    if alibi_slopes is not None:
+        kwargs["alibi_slopes"] = alibi_slopes
     try:
         return dispatch(get_op("attention"), (q, k, v), kwargs, backend, config, out)
     except PortakernError:

@@ -55,7 +55,8 @@ class Operand:
     """An array operand. kind 'float' shares the op's dtype; 'bool' is a boolean mask;
     'int32' is an index table (dtype int32 only, never converted to float); 'acc' is a float
     array in the op's compute type (float32 for float16/bfloat16/float32 ops, float64 for
-    float64 ones), such as the forward's log-sum-exp a backward takes."""
+    float64 ones), such as the forward's log-sum-exp a backward takes; 'float32' is a float32
+    array whatever the op's dtype (attention's ALiBi slopes, as FlashAttention takes them)."""
 
     name: str
     kind: str = "float"
@@ -358,6 +359,11 @@ class KernelSpec:
                     raise DTypeError(f"{self.name}: {o.name!r} is an index table and must have "
                                      f"dtype int32; got {name}. Use x.astype(np.int32) (indices "
                                      "are never converted from float, nor narrowed silently).")
+            elif o.kind == "float32":
+                if name != "float32":
+                    raise DTypeError(f"{self.name}: {o.name!r} must have dtype float32 whatever "
+                                     f"the other operands' dtype; got {name}. Use "
+                                     "x.astype(np.float32).")
             elif o.kind == "acc":
                 acc_dtypes[o.name] = name
             else:

@@ -107,7 +107,7 @@ def example_inputs(spec: KernelSpec, dtype: str, sizes: Mapping[str, int] | None
             continue
         shape = tuple(d if isinstance(d, int) else int((sizes or {}).get(
             d, EXAMPLE_LAST if d in last else EXAMPLE_OTHER)) for d in dims)
-        arrays[op.name] = ArrayMeta(shape, op.kind if op.kind in ("bool", "int32") else
+        arrays[op.name] = ArrayMeta(shape, op.kind if op.kind in ("bool", "int32", "float32") else
                                     dtypes.compute_dtype_name(st) if op.kind == "acc" else st)
     return arrays, dict(spec.params)
 
@@ -323,12 +323,12 @@ def _check_signature(spec: KernelSpec) -> None:
         if o.name in seen:
             raise spec_error(n, "operands", f"operand {o.name!r} appears twice",
                              "give every operand its own name")
-        if o.kind not in ("float", "bool", "int32", "acc"):
+        if o.kind not in ("float", "bool", "int32", "acc", "float32"):
             raise spec_error(n, "operands", f"operand {o.name!r} has kind {o.kind!r}; "
-                             "expected 'float', 'bool', 'int32' or 'acc'", "use "
+                             "expected 'float', 'bool', 'int32', 'acc' or 'float32'", "use "
                              "Operand(name), Operand(name, 'bool') (a mask), Operand(name, "
-                             "'int32') (an index table) or Operand(name, 'acc') (an array in "
-                             "the compute type)")
+                             "'int32') (an index table), Operand(name, 'acc') (an array in "
+                             "the compute type) or Operand(name, 'float32')")
         seen.add(o.name)
     if not any(o.kind == "float" for o in ops):
         raise spec_error(n, "operands", "no float operand (the op's dtype is its float "

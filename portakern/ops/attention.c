@@ -12,6 +12,11 @@
  * Causal: tiles wholly after the group's last query are never loaded. A row with no key to
  * attend (fully masked, or Sk = 0) writes 0.
  *
+ * Score modifiers and the window (attention_mods.c): bias, ALiBi, soft cap, applied to each
+ * kept key's scaled score before the online softmax; a window also bounds the tiles a group
+ * loads (tiles wholly outside every query's window are never loaded). With any modifier on,
+ * the vector path takes its key-by-key (masked) branch for every tile.
+ *
  * AT_LSE (return_lse=True): each row's log-sum-exp m + log(l) is written to LSE (B, Hq, Sq)
  * in the compute type; without it LSE is never touched.
  *
@@ -115,8 +120,11 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                          PK_GLOBAL PK_ACC_T* PK_RESTRICT LSE,
                          PK_GLOBAL const PK_ACC_T* PK_RESTRICT KT,
                          PK_GLOBAL const PK_ACC_T* PK_RESTRICT VP,
+                         PK_GLOBAL const PK_T_T* PK_RESTRICT BIAS,
+                         PK_GLOBAL const float* PK_RESTRICT SLOPES,
                          int Sq, int Sk, int Hq, int group, int nqb, PK_ACC_T scale,
-                         int causal, int has_mask, int ms0, int ms1, int ms2, int ms3, int Skp)
+                         int causal, int has_mask, int ms0, int ms1, int ms2, int ms3, int Skp,
+                         int wl, int wr, PK_ACC_T cap, int bs0, int bs1, int bs2, int bs3)
 {
     const int g = PK_GROUP_ID(0);
     const int bh = g / nqb;
@@ -127,6 +135,20 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
     const int kvrow0 = (b * Hkv + h / group) * Sk;
     const int lid = PK_LOCAL_ID(0);
     const int q0 = qb * QB + lid * QI; /* this item's first query */
+#if AT_ALIBI
+    const PK_ACC_T slope = (PK_ACC_T)SLOPES[h];
+#else
+    const PK_ACC_T slope = (PK_ACC_T)0;
+#endif
+    /* a kept key's modified score (attention_mods.c); brow: the query's bias row */
+#if AT_BIAS
+#define AT_BIAS_AT(brow, kj) PK_LOAD_T(BIAS, (brow) + (kj) * bs3)
+#else
+#define AT_BIAS_AT(brow, kj) ((PK_ACC_T)0)
+#endif
+#define AT_SCORE(s, brow, qi, kj) \
+    (AT_MOD ? at_modify((s), AT_BIAS_AT(brow, kj), slope, (qi), (kj), cap) : (s))
+#define AT_KEEP(qi, kj) (!AT_WIN || at_in_window((qi), (kj), wl, wr))
 
 #if AT_VEC
     typedef at_vt vt;
@@ -192,8 +214,15 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
         l[t] = (PK_ACC_T)0;
     }
 
-    const int kend = causal ? min(Sk, qb * QB + QB) : Sk;
-    for (int k0 = 0; k0 < kend; k0 += BK) {
+    int kend = causal ? min(Sk, qb * QB + QB) : Sk;
+    int kstart = 0;
+#if AT_WIN
+    /* the group's queries qb*QB .. qb*QB + QB - 1 attend keys from first - wl to last + wr:
+     * whole tiles outside that range are skipped (kstart stays a multiple of BK) */
+    kstart = max(0, qb * QB - wl) / BK * BK;
+    if (wr < kend - (qb * QB + QB - 1)) kend = qb * QB + QB + wr;
+#endif
+    for (int k0 = kstart; k0 < kend; k0 += BK) {
 #if AT_PACKED
         /* tiles are read from KT/VP in place */
 #elif AT_VEC
@@ -285,7 +314,8 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
              * of its own (rolled: one copy of this code, not TQ) before the unrolled one. The
              * test uses the block's first query, the one the causal bound cuts most. */
             const int masked = has_mask || k0 + BK > Sk || (causal && k0 + BK - 1 > q0 + t0)
-                               || AT_TBAD; /* a bad V row: key by key, below */
+                               || AT_TBAD /* a bad V row: key by key, below */
+                               || AT_MOD || AT_WIN;
             if (masked) {
                 #pragma unroll
                 for (int t = 0; t < TQ; ++t)
@@ -294,15 +324,17 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                 for (int t = 0; t < TQ; ++t) {
                     const int qi = q0 + t0 + t;
                     const int mrow = b * ms0 + h * ms1 + min(qi, Sq - 1) * ms2;
+                    const int brow = b * bs0 + h * bs1 + min(qi, Sq - 1) * bs2;
                     PK_ACC_T bm = -PK_INFINITY;
                     for (int j = 0; j < BK; ++j) {
                         const int kj = k0 + j;
-                        int ok = kj < Sk && (!causal || kj <= qi);
+                        int ok = kj < Sk && (!causal || kj <= qi) && AT_KEEP(qi, kj);
                         if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
 #if AT_PACKED
-                        const PK_ACC_T sj = ok ? pt[t][j] : -PK_INFINITY;
+                        const PK_ACC_T sj = ok ? AT_SCORE(pt[t][j], brow, qi, kj) : -PK_INFINITY;
 #else
-                        const PK_ACC_T sj = !ok ? -PK_INFINITY : AT_VBAD(j) ? AT_NAN : pt[t][j];
+                        const PK_ACC_T sj = !ok ? -PK_INFINITY : AT_VBAD(j) ? AT_NAN
+                                            : AT_SCORE(pt[t][j], brow, qi, kj);
 #endif
                         pt[t][j] = sj;
                         bm = (sj > bm || sj != sj) ? sj : bm;
@@ -389,6 +421,7 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
         for (int t = 0; t < QI; ++t) {
             const int qi = q0 + t;
             const int mrow = b * ms0 + h * ms1 + min(qi, Sq - 1) * ms2;
+            const int brow = b * bs0 + h * bs1 + min(qi, Sq - 1) * bs2;
             /* The tile in sub-blocks of AT_SB keys, each an online-softmax step: scores with
              * query elements outer (one cached read each, used AT_SB times) and keys inner,
              * unrolled, so sc[] stays in registers; then the probabilities; then P.V,
@@ -406,10 +439,11 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                 #pragma unroll
                 for (int j = 0; j < AT_SB; ++j) {
                     const int kj = k0 + jb + j;
-                    int ok = kj < Sk && (!causal || kj <= qi);
+                    int ok = kj < Sk && (!causal || kj <= qi) && AT_KEEP(qi, kj);
                     if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
                     /* a key whose V row holds a NaN or an inf scores NaN */
-                    const PK_ACC_T s = !ok ? -PK_INFINITY : AT_VBAD(jb + j) ? AT_NAN : sc[j];
+                    const PK_ACC_T s = !ok ? -PK_INFINITY : AT_VBAD(jb + j) ? AT_NAN
+                                       : AT_SCORE(sc[j], brow, qi, kj);
                     sc[j] = s;
                     bm = (s > bm || s != s) ? s : bm;
                 }

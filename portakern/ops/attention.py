@@ -52,13 +52,15 @@ from ..core.spec import (
 )
 from . import attention_pallas, attention_xla  # import jax only when called
 from ._common import broadcast_strides, cdiv, kernel_source, need_rank
-from .attention_math import keep_matrix
+from .attention_math import alibi_distance, keep_matrix, modify_scores
 
 LOCAL_BUDGET_BYTES = 32 * 1024  # K/V tiles must fit this; BK is capped to honour it
 
 
-def semantics(xp: Any, q: Any, k: Any, v: Any, mask: Any = None, causal: bool = False,
-              scale: float | None = None, return_lse: bool = False) -> Any:
+def semantics(xp: Any, q: Any, k: Any, v: Any, mask: Any = None, bias: Any = None,
+              alibi_slopes: Any = None, causal: bool = False, scale: float | None = None,
+              return_lse: bool = False, window: tuple[int, int | None] | None = None,
+              softcap: float | None = None) -> Any:
     """The op in the arrays' dtype (float64 on the oracle, the compute dtype under jax).
 
     Every implementation follows these steps (README, "Semantics and dtypes"): the scale is
@@ -74,6 +76,10 @@ def semantics(xp: Any, q: Any, k: Any, v: Any, mask: Any = None, causal: bool = 
     exp(where(b, nan, x)) when b is invariant along the fused loop (Sk = 1, Sq >= 2), giving
     garbage (docs/guarantees.md, "XLA:CPU and a constant NaN under exp").
 
+    Score modifiers (``attention_math.modify_scores``): ``bias``, then ALiBi's
+    -slope * |i - j|, then the soft cap c tanh(s / c), all before masking; ``window`` (left,
+    right) is a mask like ``causal`` (``attention_math.keep_matrix``).
+
     ``return_lse``: also the log-sum-exp of each row's scores, (out, lse): lse = m + log(den),
     -inf for a dead row, NaN exactly where den is (the row's output is then NaN), in the
     arrays' dtype here (the backends return it in the compute type: float32, or float64).
@@ -87,7 +93,8 @@ def semantics(xp: Any, q: Any, k: Any, v: Any, mask: Any = None, causal: bool = 
     s = xp.matmul(q * scale, xp.swapaxes(k, -1, -2))
     finite_v = xp.isfinite(v)
     s = s + xp.sum(v * 0, axis=-1)[..., None, :]  # NaN for a bad v row, (B, H, 1, Sk)
-    keep = keep_matrix(xp, q.shape[2], k.shape[2], causal, mask)
+    s = modify_scores(xp, s, bias, alibi_slopes, softcap)
+    keep = keep_matrix(xp, q.shape[2], k.shape[2], causal, mask, window)
     if keep is not None:
         s = xp.where(keep, s, -xp.inf)
     m = xp.max(s, axis=-1, keepdims=True) if s.shape[-1] else xp.zeros(s.shape[:-1] + (1,), s.dtype)
@@ -119,8 +126,51 @@ def _scale(value: object, d: int) -> float:
     return f
 
 
+def _window(value: object) -> tuple[int, int | None] | None:
+    """None, an int ``left`` or a pair (left, right) (right may be None) -> (left, right)."""
+    if value is None:
+        return None
+    pair = value if isinstance(value, (tuple, list)) else (value, None)
+    ok = len(pair) == 2 and all(
+        (x is None and i == 1) or (isinstance(x, (int, np.integer)) and not isinstance(x, bool))
+        for i, x in enumerate(pair))
+    if not ok:
+        raise InvalidArgumentError(f"attention: window must be None, an int left, or a pair "
+                                   f"(left, right) of ints (right may be None); got {value!r}.")
+    left, right = int(pair[0]), None if pair[1] is None else int(pair[1])
+    if left < 0 or (right is not None and right < 0):
+        raise InvalidArgumentError(f"attention: window sizes must be >= 0; got {value!r}. Query "
+                                   "i attends key j when i - left <= j (<= i + right).")
+    return left, right
+
+
+def _softcap(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(float(value)) or float(value) <= 0.0:
+        raise InvalidArgumentError(f"attention: softcap must be a positive finite number or "
+                                   f"None; got {value!r}. Gemma 2 uses 50.0 (s -> c tanh(s/c)).")
+    return float(value)
+
+
+def _broadcast_strides(what: str, shape: tuple[int, ...], target: tuple[int, ...],
+                       note: str) -> list[int]:
+    if len(shape) > 4:
+        raise ShapeError(f"attention: {what} has rank {len(shape)}; expected at most 4, "
+                         f"broadcastable to (B, Hq, Sq, Sk) = {target}.")
+    try:
+        if tuple(np.broadcast_shapes(shape, target)) != target:
+            raise ValueError
+    except ValueError:
+        raise ShapeError(f"attention: {what} of shape {shape} does not broadcast to "
+                         f"(B, Hq, Sq, Sk) = {target}{note}.") from None
+    return broadcast_strides(shape, target, 1)
+
+
 def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
     q, k, v, mask = m["q"], m["k"], m["v"], m["mask"]
+    bias, slopes = m.get("bias"), m.get("alibi_slopes")
     assert q is not None and k is not None and v is not None
     lay = {"q": "(B, Hq, Sq, D)", "k": "(B, Hkv, Sk, D)", "v": "(B, Hkv, Sk, Dv)"}
     for name, meta in (("q", q), ("k", k), ("v", v)):
@@ -149,19 +199,18 @@ def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
     if not isinstance(ret, (bool, np.bool_)):
         raise InvalidArgumentError(f"attention: return_lse must be True or False; got {ret!r}.")
     params["return_lse"] = ret = bool(ret)
+    params["window"] = _window(params.get("window"))
+    params["softcap"] = _softcap(params.get("softcap"))
     target = (B, Hq, Sq, Sk)
     mstr = [0, 0, 0, 0]
     if mask is not None:
-        if len(mask.shape) > 4:
-            raise ShapeError(f"attention: mask has rank {len(mask.shape)}; expected at most 4, "
-                             f"broadcastable to (B, Hq, Sq, Sk) = {target}.")
-        try:
-            if tuple(np.broadcast_shapes(mask.shape, target)) != target:
-                raise ValueError
-        except ValueError:
-            raise ShapeError(f"attention: mask of shape {mask.shape} does not broadcast to "
-                             f"(B, Hq, Sq, Sk) = {target}; True = attend.") from None
-        mstr = broadcast_strides(mask.shape, target, 1)
+        mstr = _broadcast_strides("mask", mask.shape, target, "; True = attend")
+    bstr = [0, 0, 0, 0]
+    if bias is not None:
+        bstr = _broadcast_strides("bias", bias.shape, target, ", added to the scaled scores")
+    if slopes is not None and tuple(slopes.shape) != (Hq,):
+        raise ShapeError(f"attention: alibi_slopes has shape {tuple(slopes.shape)}; expected "
+                         f"(Hq,) = ({Hq},), one float32 slope per query head.")
     out = (B, Hq, Sq, Dv)
     dt = dtype_name(q.dtype)
     outputs = None
@@ -171,9 +220,11 @@ def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
         empty = B * Hq * Sq == 0
     return Problem("attention", dt,
                    {"q": q.shape, "k": k.shape, "v": v.shape,
-                    "mask": None if mask is None else mask.shape}, params, out,
+                    "mask": None if mask is None else mask.shape,
+                    "bias": None if bias is None else bias.shape,
+                    "alibi_slopes": None if slopes is None else slopes.shape}, params, out,
                    derived={"B": B, "Hq": Hq, "Hkv": Hkv, "Sq": Sq, "Sk": Sk, "D": D, "Dv": Dv,
-                            "mask_strides": mstr},
+                            "mask_strides": mstr, "bias_strides": bstr},
                    empty_result=empty, outputs=outputs)
 
 
@@ -227,7 +278,11 @@ def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
     return {"BQ": cfg["BQ"], "BK": effective_bk(p, cfg), "TQ": cfg["TQ"], "RQ": cfg["RQ"],
             "VEC": cfg["VEC"],
             "DQ": p.derived["D"], "DV": p.derived["Dv"], "PACK_KV": int(packs_kv(p, cfg)),
-            "AT_LSE": int(p.params.get("return_lse", False))}
+            "AT_LSE": int(p.params.get("return_lse", False)),
+            "AT_BIAS": int(p.shapes.get("bias") is not None),
+            "AT_ALIBI": int(p.shapes.get("alibi_slopes") is not None),
+            "AT_CAP": int(p.params.get("softcap") is not None),
+            "AT_WIN": int(p.params.get("window") is not None)}
 
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
@@ -246,19 +301,54 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     kt, vp = ("kt", "vp") if packed else ("q", "q")  # unread without PACK_KV
     lse = "lse" if p.params.get("return_lse") else "out"  # unwritten without AT_LSE
     args = (Buf("q"), Buf("k"), Buf("v"), Buf("mask" if has_mask else "q"), Buf("out"),
-            Buf(lse), Buf(kt), Buf(vp),
+            Buf(lse), Buf(kt), Buf(vp), *score_mod_buffers(p),
             Scalar(d["Sq"]), Scalar(d["Sk"]), Scalar(d["Hq"]), Scalar(d["Hq"] // d["Hkv"]),
             Scalar(nqb), Scalar(p.params["scale"], "acc"), Scalar(int(p.params["causal"])),
             Scalar(int(has_mask)), Scalar(ms[0]), Scalar(ms[1]), Scalar(ms[2]), Scalar(ms[3]),
-            Scalar(skp))
+            Scalar(skp), *score_mod_args(p))
     return pre + [Launch("attention", (d["B"] * d["Hq"] * nqb, 1, 1), (cfg["BQ"], 1, 1), args)]
+
+
+def score_mod_buffers(p: Problem) -> tuple[Buf, Buf]:
+    """BIAS and SLOPES (attention_mods.c); an absent one is bound to q and never read."""
+    return (Buf("bias" if p.shapes.get("bias") is not None else "q"),
+            Buf("alibi_slopes" if p.shapes.get("alibi_slopes") is not None else "q"))
+
+
+def score_mod_args(p: Problem) -> tuple[Scalar, ...]:
+    """wl, wr, cap, bs0..bs3 (attention_mods.c): a window without a right edge has wr = Sk
+    (no key lies further right than that); absent modifiers pass values never read."""
+    window = p.params.get("window")
+    left, right = window if window is not None else (0, None)
+    right = p.derived["Sk"] if right is None else min(right, p.derived["Sk"])
+    left = min(left, max(p.derived["Sq"], 1))  # a query never looks further left than Sq
+    cap = p.params.get("softcap") or 1.0
+    bs = p.derived.get("bias_strides", [0, 0, 0, 0])
+    return (Scalar(left), Scalar(right), Scalar(cap, "acc"),
+            Scalar(bs[0]), Scalar(bs[1]), Scalar(bs[2]), Scalar(bs[3]))
+
+
+def attended_pairs(sq: int, sk: int, causal: bool, window: tuple[int, int | None] | None,
+                   q_offset: int = 0) -> float:
+    """(query, key) pairs that causal and the window keep, the work the kernels do (a mask
+    is data, not counted: the flops are those of the unmasked call). Exact, per row."""
+    if sq == 0 or sk == 0:
+        return 0.0
+    i = np.arange(sq, dtype=np.int64) + q_offset
+    lo = np.zeros(sq, np.int64)
+    hi = np.full(sq, sk - 1, np.int64)
+    if causal:
+        hi = np.minimum(hi, i)
+    if window is not None:
+        lo = np.maximum(lo, i - window[0])
+        if window[1] is not None:
+            hi = np.minimum(hi, i + window[1])
+    return float(np.maximum(hi - lo + 1, 0).sum())
 
 
 def cost(p: Problem) -> Cost:
     d = p.derived
-    pairs = d["Sq"] * d["Sk"]
-    if p.params["causal"]:
-        pairs = sum(min(i + 1, d["Sk"]) for i in range(d["Sq"])) if d["Sq"] < 1 << 16 else pairs / 2
+    pairs = attended_pairs(d["Sq"], d["Sk"], p.params["causal"], p.params.get("window"))
     bh = d["B"] * d["Hq"]
     isz = p.info.storage.itemsize
     width = d["D"] + d["Dv"]
@@ -288,7 +378,8 @@ def _bounds(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray, lse: np.ndarr
     scale = p.params["scale"]
     g = d["Hq"] // d["Hkv"]
     q, k, v = x["q"], np.repeat(x["k"], g, axis=1), np.repeat(x["v"], g, axis=1)
-    keep = keep_matrix(np, d["Sq"], d["Sk"], p.params["causal"], x.get("mask"))
+    keep = keep_matrix(np, d["Sq"], d["Sk"], p.params["causal"], x.get("mask"),
+                       p.params.get("window"))
     keep = np.broadcast_to(True if keep is None else keep, q.shape[:-1] + (d["Sk"],))
     qs = q * scale
     qf = np.where(np.isfinite(qs), qs, 0.0)  # the finite terms of every score
@@ -298,7 +389,8 @@ def _bounds(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray, lse: np.ndarr
     s = np.matmul(qf, np.swapaxes(kf, -1, -2))
     mag = np.matmul(np.abs(qf), np.swapaxes(np.abs(kf), -1, -2))
     es = (2.0 * d["D"] * u) * mag + 2.0 * u * np.abs(s)
-    keep_f = keep & np.isfinite(s_all)  # the keys a finite row weighs (a -inf score drops one)
+    s, es, s_mod = _modified(p, x, s, es, s_all, u)
+    keep_f = keep & np.isfinite(s_mod)  # the keys a finite row weighs (a -inf score drops one)
     s = np.where(keep_f, s, -np.inf)
     mx = s.max(axis=-1, keepdims=True) if d["Sk"] else np.zeros(s.shape[:-1] + (1,))
     dead = mx == -np.inf
@@ -313,7 +405,7 @@ def _bounds(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray, lse: np.ndarr
     floor = p.info.subnormal + 4.0 * d["Sk"] * float(np.finfo(p.info.compute).tiny)
     bound = w * rel + p.info.unit_roundoff * np.abs(ref) + floor
     bound = np.where(np.isnan(ref), 0.0, bound)
-    loose = unspecified(p, q, k, vf, keep, mag, s_all)
+    loose = unspecified(p, q, k, vf, keep, mag, s_all) | _mods_overflow(p, x, keep, mag)
     if lse is None:
         return np.where(loose, np.inf, bound), None
     with np.errstate(invalid="ignore"):
@@ -321,6 +413,61 @@ def _bounds(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray, lse: np.ndarr
             if d["Sk"] else np.zeros(lse.shape)
     lb = np.where(np.isfinite(lse), lb, 0.0)  # NaN and -inf: exactly those
     return np.where(loose, np.inf, bound), np.where(loose.any(axis=-1), np.inf, lb)
+
+
+def _modified(p: Problem, x: dict[str, np.ndarray], s: np.ndarray, es: np.ndarray,
+              s_all: np.ndarray, u: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The score modifiers applied to the float64 scores, with their error bound.
+
+    ``s`` holds the finite terms of each score, ``es`` its error bound, ``s_all`` the exact
+    score (NaN, +-inf where a term is). A score that is exactly +-inf (no rounding) takes
+    that value. Bias and ALiBi add one rounding each (u |s + b|, and u |slope d| for the
+    product); the cap passes an error on scaled by tanh's slope (<= 1) and adds the rounding
+    of s / c (at most u min(|s|, c) once through tanh), tanh's own (8 ulp, as OpenCL's
+    full-profile tanh allows, 5) and the product's: 10 u |c tanh(s / c)| in all.
+    Returns (s, es, s_all) after the modifiers."""
+    bias, slopes, cap = x.get("bias"), x.get("alibi_slopes"), p.params.get("softcap")
+    if bias is None and slopes is None and cap is None:
+        return s, es, s_all
+    with np.errstate(invalid="ignore", over="ignore"):
+        exact = np.where(np.isfinite(s_all), s, s_all)
+        es = np.where(np.isfinite(s_all), es, 0.0)
+        t = modify_scores(np, exact, bias, slopes, None)
+        if slopes is not None:
+            sq, sk = s.shape[-2], s.shape[-1]
+            es = es + u * np.abs(slopes.reshape(1, -1, 1, 1) * alibi_distance(np, sq, sk))
+        if bias is not None or slopes is not None:
+            es = es + u * np.abs(t)
+        if cap is not None:
+            capped = cap * np.tanh(t / cap)
+            es = es + u * np.minimum(np.abs(t), cap) + 10.0 * u * np.abs(capped)
+            t = capped
+        es = np.where(np.isfinite(es), es, 0.0)
+    return np.where(np.isfinite(t), t, 0.0), es, t
+
+
+def _mods_overflow(p: Problem, x: dict[str, np.ndarray], keep: np.ndarray,
+                   mag: np.ndarray) -> np.ndarray:
+    """The range rule for the modifiers: a row whose attended score plus bias and ALiBi terms
+    could overflow the compute type is left to IEEE arithmetic (unspecified), as an
+    overflowing dot is."""
+    bias, slopes = x.get("bias"), x.get("alibi_slopes")
+    if bias is None and slopes is None:
+        return np.zeros(mag.shape[:-1] + (1,), bool)
+    big = float(np.finfo(p.info.compute).max)
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = np.array(mag, dtype=np.float64)
+        if bias is not None:
+            total = total + np.where(np.isfinite(bias), np.abs(bias), 0.0)
+        if slopes is not None:
+            total = total + np.abs(slopes.reshape(1, -1, 1, 1)) * alibi_distance(
+                np, mag.shape[-2], mag.shape[-1])
+        over = np.any(keep & (total * (1.0 + 4.0 * u_of(p)) >= big / 2), axis=-1)
+    return over[..., None]
+
+
+def u_of(p: Problem) -> float:
+    return float(np.finfo(p.info.compute).eps) / 2
 
 
 def unspecified(p: Problem, q: np.ndarray, k: np.ndarray, vf: np.ndarray, keep: np.ndarray,
@@ -379,7 +526,10 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
     with np.errstate(all="ignore"):
         s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
         mag = scale * np.matmul(np.abs(q), np.swapaxes(np.abs(k), -1, -2))
-        keep = keep_matrix(np, d["Sq"], d["Sk"], p.params["causal"], x.get("mask"))
+        # the modifiers' roundings (_modified's bound, less the dot's) enter the slack
+        _, es_mod, s = _modified(p, x, s, np.zeros_like(s), s, u)
+        keep = keep_matrix(np, d["Sq"], d["Sk"], p.params["causal"], x.get("mask"),
+                           p.params.get("window"))
         keep = np.broadcast_to(True if keep is None else keep, s.shape)
         s = np.where(keep, s, -np.inf)
         mx = s.max(axis=-1, keepdims=True) if d["Sk"] else np.zeros(s.shape[:-1] + (1,))
@@ -395,7 +545,8 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
         sabs = np.where(keep, np.abs(s), 0.0).max(axis=-1, keepdims=True) if d["Sk"] else 0.0
         dist = (np.where(keep, np.abs(s - np.where(dead, 0, mx)), 0.0).max(axis=-1, keepdims=True)
                 if d["Sk"] else 0.0)
-        slack = u * (2.0 * sabs + dist + STAT_EXP_ERR + 4.0) * (w + o)
+        e_mod = (np.where(keep, es_mod, 0.0).max(axis=-1, keepdims=True) if d["Sk"] else 0.0)
+        slack = (u * (2.0 * sabs + dist + STAT_EXP_ERR + 4.0) + 2.0 * e_mod) * (w + o)
     floor = p.info.subnormal + 4.0 * d["Sk"] * float(np.finfo(p.info.compute).tiny)
     return StatModel(np.sqrt(sigma2), slack + floor, (-1,))
 
@@ -458,8 +609,42 @@ def attention_case(ch: Chooser, dtype: str) -> Case:
     ret = ch.boolean(0.25)  # drawn last: the draws above keep their seeds
     if ret:
         note += " lse"
-    return Case({"q": x["q"], "k": x["k"], "v": x["v"], "mask": mask},
-                {"causal": causal, "scale": scale, "return_lse": ret}, note.strip())
+    extra, mods, mod_note = _score_mod_case(ch, rng, dtype, b, hq, sq, sk)
+    return Case({"q": x["q"], "k": x["k"], "v": x["v"], "mask": mask, **extra},
+                {"causal": causal, "scale": scale, "return_lse": ret, **mods},
+                (note + mod_note).strip())
+
+
+def _score_mod_case(ch: Chooser, rng: np.random.Generator, dtype: str, b: int, hq: int,
+                    sq: int, sk: int) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """Windows (left only, both sides, 0, past the ends), soft caps (small enough to bend
+    the scores, or 50 as Gemma 2), biases (broadcast shapes, N(0, 1) to N(0, 30), -inf
+    entries that drop keys) and ALiBi slopes (the geometric series of the paper, or random),
+    each in about a fifth of the cases: drawn after every other draw, so the cases without
+    them keep their values."""
+    arrays: dict[str, Any] = {}
+    params: dict[str, Any] = {}
+    note = ""
+    if ch.boolean(0.2):
+        left = ch.choice((0, 1, 3, 16, 200))
+        params["window"] = left if ch.boolean(0.5) else (left, ch.choice((0, 2, 17, 300)))
+        note += f" window{params['window']}"
+    if ch.boolean(0.2):
+        params["softcap"] = ch.choice((0.5, 2.0, 50.0))
+        note += f" softcap{params['softcap']}"
+    if ch.boolean(0.2):
+        bshape = ch.choice(((sq, sk), (b, hq, sq, sk), (1, hq, 1, sk), (sk,)))
+        bias = rng.standard_normal(bshape) * ch.choice((1.0, 30.0))
+        if ch.boolean(0.3):
+            bias[rng.random(bshape) < 0.2] = -np.inf
+        arrays["bias"] = dtypes.cast_to(bias, dtype)
+        note += f" bias{bshape}"
+    if ch.boolean(0.15):
+        slopes = (2.0 ** (-8.0 * np.arange(1, hq + 1) / hq) if ch.boolean(0.5)
+                  else rng.random(hq) * 2.0)
+        arrays["alibi_slopes"] = slopes.astype(np.float32)
+        note += " alibi"
+    return arrays, params, note
 
 
 ATTENTION_VALUES = ("plain", "plain", "nonfinite", "nonfinite", "scale", "magnitude", "range")
@@ -553,11 +738,13 @@ def examples(dtype: str) -> list[Example]:
 SPEC = KernelSpec(
     name="attention",
     operands=(Operand("q"), Operand("k"), Operand("v"),
-              Operand("mask", kind="bool", optional=True)),
-    params={"causal": False, "scale": None, "return_lse": False},
+              Operand("mask", kind="bool", optional=True), Operand("bias", optional=True),
+              Operand("alibi_slopes", kind="float32", optional=True)),
+    params={"causal": False, "scale": None, "return_lse": False, "window": None,
+            "softcap": None},
     validate=validate,
     semantics=semantics,
-    source=kernel_source("vexp.c", "attention.c"),
+    source=kernel_source("vexp.c", "attention_mods.c", "attention.c"),
     slots=lambda p: {"T": p.dtype},
     defines=defines,
     launches=launches,

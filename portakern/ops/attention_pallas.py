@@ -760,4 +760,14 @@ def build(problem: Problem, interpret: bool, *, block_q: int | None = None,
         return dq, dk, dv, None  # the boolean mask has no cotangent
 
     fused.defvjp(fused_fwd, fused_bwd)
-    return fused
+    mods = [n for n in ("window", "softcap") if problem.params.get(n) is not None]
+    mods += [n for n in ("bias", "alibi_slopes") if problem.shapes.get(n) is not None]
+    if mods:
+        raise InvalidArgumentError(
+            f"attention on jax:pallas does not take {', '.join(mods)} yet; expected none of "
+            "window, softcap, bias, alibi_slopes there. Use backend='jax' (XLA) for them.")
+
+    def entry(q: Any, k: Any, v: Any, mask: Any, _bias: Any = None, _slopes: Any = None) -> Any:
+        return fused(q, k, v, mask)
+
+    return entry

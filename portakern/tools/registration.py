@@ -144,7 +144,8 @@ def _trace_with_jax(spec: KernelSpec, prob: Problem) -> None:
     if prob.empty_result:
         return
     st = dtypes.info(prob.dtype).storage
-    kind_dtype = {"bool": bool, "int32": np.int32, "acc": dtypes.info(prob.dtype).compute}
+    kind_dtype = {"bool": bool, "int32": np.int32, "acc": dtypes.info(prob.dtype).compute,
+                  "float32": np.float32}
     structs = [None if prob.shapes.get(o.name) is None else jax.ShapeDtypeStruct(
         prob.shapes[o.name], kind_dtype.get(o.kind, st)) for o in spec.operands]
     out_dtypes = None if prob.outputs is None else tuple(d for _, d in prob.outputs.values())
