@@ -410,10 +410,14 @@ def call(op: str | KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any], b
                                   f"the others; got {type(a).__name__}.")
     for k, d, t in entry.params:
         v = kw.pop(k, d)
+        if t == "int[]?" and isinstance(v, (list, tuple)) and len(v) == 2 and v[1] is None:
+            v = [v[0]]  # (left, None): a window with no right edge, as the list [left]
         if not _fits(v, t):  # the spec's validation names what is wrong
             _validate(entry, vals, {k: v})
             raise InvalidArgumentError(f"{spec.name}: {k}={v!r} does not fit the custom op's "
                                        f"schema type {t}.")
+        if t == "int[]?" and v is not None:
+            v = [v] if isinstance(v, int) else list(v)
         vals.append(v)
     chosen = [kw.pop(s, False) for s in entry.selectors]
     if kw:
@@ -451,6 +455,9 @@ def _fits(v: Any, t: str) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
     if base == "str":
         return isinstance(v, str)
+    if base == "int[]":  # attention's window: an int left, or [left] / [left, right]
+        items = v if isinstance(v, (list, tuple)) else [v]
+        return all(isinstance(x, int) and not isinstance(x, bool) for x in items)
     return True
 
 
@@ -526,20 +533,28 @@ def _rmsnorm_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _attention_setup(ctx: Any, inputs: Sequence[Any], output: Any) -> None:
-    vals = _ENTRIES["attention"].bind(inputs, {})
-    q, k, v, mask, causal, scale = vals[:6]
+    entry = _ENTRIES["attention"]
+    named = dict(zip(entry.names, entry.bind(inputs, {}), strict=True))
     out, lse = output
-    ctx.causal, ctx.scale = causal, scale
-    ctx.backend = vals[-2] or _use_label()
-    ctx.save_for_backward(q, k, v, mask, out, lse)
+    ctx.causal, ctx.scale = named["causal"], named["scale"]
+    ctx.modifiers = [n for n in ("window", "softcap", "bias", "alibi_slopes")
+                     if named[n] is not None]
+    ctx.n_inputs = len(entry.names)
+    ctx.backend = named["backend"] or _use_label()
+    ctx.save_for_backward(named["q"], named["k"], named["v"], named["mask"], out, lse)
     ctx.mark_non_differentiable(lse)  # lse is what the backward reads, not a loss term
 
 
 def _attention_backward(ctx: Any, g: torch.Tensor, _g_lse: Any) -> tuple[Any, ...]:
+    if ctx.modifiers:  # never a gradient that ignores them
+        raise InvalidArgumentError(
+            f"attention: no torch backward for {', '.join(ctx.modifiers)} yet (the fused "
+            "attention_backward takes causal and mask only). Detach the inputs, drop the "
+            "modifier, or train through backend='jax' (jax.grad supports them).")
     q, k, v, mask, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.portakern.attention_backward(
         g.contiguous(), q, k, v, out, lse, mask, ctx.causal, ctx.scale, ctx.backend, None)
-    return dq, dk, dv, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
 _AUTOGRAD: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
@@ -550,8 +565,10 @@ _AUTOGRAD: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
 }
 
 note_torch_loaded()  # torch came after portakern: tensors are known from now on
+# built-in parameters whose default (None) does not say their schema type
+_BUILTIN_PARAM_TYPES = {"attention": {"window": "int[]?"}}
 for _name in ("matmul", "softmax", "attention", "rmsnorm", "attention_backward"):
-    register(_name)
+    register(_name, param_types=_BUILTIN_PARAM_TYPES.get(_name))
 for _name in list(OPS):  # user ops registered so far; one torch cannot take is refused
     with contextlib.suppress(PortakernError):  # on its first call, with the reason
         register(_name)

@@ -131,6 +131,8 @@ def _window(value: object) -> tuple[int, int | None] | None:
     if value is None:
         return None
     pair = value if isinstance(value, (tuple, list)) else (value, None)
+    if isinstance(pair, (tuple, list)) and len(pair) == 1:  # [left] (torch's int[] schema)
+        pair = (pair[0], None)
     ok = len(pair) == 2 and all(
         (x is None and i == 1) or (isinstance(x, (int, np.integer)) and not isinstance(x, bool))
         for i, x in enumerate(pair))

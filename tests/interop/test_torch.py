@@ -483,3 +483,33 @@ def test_a_first_call_inside_torch_compile(order: str) -> None:
     """The first call on tensors may be inside a compiled function when torch was imported
     before portakern, or portakern.torch before compiling (docs/torch.md)."""
     assert _run_python(order + COMPILED_FIRST_CALL).split() == ["48.0", "1"]
+
+
+@pytest.mark.parametrize("kw", [
+    {"window": 3}, {"window": (2, 1)}, {"window": (4, None), "softcap": 2.0},
+    {"bias": "bias", "alibi_slopes": "slopes", "softcap": 30.0}])
+def test_score_modifiers_pass_through_the_custom_op(kw: dict[str, Any]) -> None:
+    """window (int, pair, pair with None: torch's int[] schema), softcap, bias and ALiBi
+    slopes reach the spec unchanged: the tensors' result equals the arrays' result."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in
+               ((1, 2, 9, 8), (1, 2, 11, 8), (1, 2, 11, 8)))
+    extra = {"bias": rng.standard_normal((9, 11)).astype(np.float32),
+             "slopes": np.array([0.5, 0.25], np.float32)}
+    arrays = {n: extra[x] if isinstance(x, str) else x for n, x in kw.items()}
+    tensors = {n: torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+               for n, x in arrays.items()}
+    got = pk.attention(*map(torch.from_numpy, (q, k, v)), backend="numpy", **tensors)
+    want = pk.attention(q, k, v, backend="numpy", **arrays)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_a_modifier_without_a_torch_backward_refuses_to_differentiate() -> None:
+    """The fused backward knows causal and mask only: with a modifier the backward raises,
+    never a gradient that ignores the window or the cap."""
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 6, 8, dtype=torch.float64)
+    v = torch.randn(1, 1, 6, 8, dtype=torch.float64)
+    out = pk.attention(q, k, v, softcap=5.0, backend="numpy")
+    with pytest.raises(pk.InvalidArgumentError, match="no torch backward for softcap"):
+        out.sum().backward()
