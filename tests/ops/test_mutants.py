@@ -182,6 +182,28 @@ MUTANTS = {
     "attention: lse from the next row": (
         "attention", "LSE[bh * Sq + qi] = dead", "LSE[bh * Sq + min(qi + 1, Sq - 1)] = dead",
         {}, "float32"),
+    # issue 29: the score modifiers and the window (attention_mods.c, both inner paths)
+    "attention: window off by one on the left": (
+        "attention", "return kpos - qpos >= -left &&", "return kpos - qpos > -left &&", {},
+        "float32"),
+    "attention: softcap applied after masking (masked keys score -c, not -inf)": (
+        "attention",
+        ("const PK_ACC_T s = !ok ? -PK_INFINITY : AT_VBAD(jb + j)",
+         "const PK_ACC_T sj = ok ? AT_SCORE(pt[t][j], brow, qi, kj) : -PK_INFINITY;",
+         "const PK_ACC_T sj = !ok ? -PK_INFINITY : AT_VBAD(j)"),
+        ("const PK_ACC_T s = !ok ? (AT_CAP ? -cap : -PK_INFINITY) : AT_VBAD(jb + j)",
+         "const PK_ACC_T sj = ok ? AT_SCORE(pt[t][j], brow, qi, kj)"
+         " : (AT_CAP ? -cap : -PK_INFINITY);",
+         "const PK_ACC_T sj = !ok ? (AT_CAP ? -cap : -PK_INFINITY) : AT_VBAD(j)"), {},
+        "float32"),
+    "attention: ALiBi with the wrong sign": (
+        "attention", "s = s - slope * (PK_ACC_T)", "s = s + slope * (PK_ACC_T)", {}, "float32"),
+    "attention: bias ignores the query row": (
+        "attention",
+        ("const int brow = b * bs0 + h * bs1 + min(qi, Sq - 1) * bs2;",
+         "const int brow = b * bs0 + h * bs1 + min(qi, Sq - 1) * bs2;"),
+        ("const int brow = b * bs0 + h * bs1;", "const int brow = b * bs0 + h * bs1;"), {},
+        "float32"),
     # each site in the scalar path (GPU schedule) and in the vector path (CPU schedule)
     "attention_backward: delta missing": (
         "attention_backward",
