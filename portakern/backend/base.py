@@ -29,7 +29,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 
-from ..core import dtypes, settings
+from ..core import codegen, dtypes, settings
 from ..core.errors import DeviceMemoryError, ForkedProcessError, UnsupportedDTypeError
 from ..core.host import nbytes_of
 from ..core.lru import LRUCache
@@ -556,21 +556,36 @@ class KernelBackend(Backend):
         OpenCL device) cannot slow the host down while it is timed. None: not offered."""
         return None
 
+    # --- matrix units (docs/fragments.md) ------------------------------------------------------
+    @property
+    def matrix_unit(self) -> str | None:
+        """The native fragment lowering of this device ('sm80', 'cdna', 'rdna3', 'intel'),
+        from its dialect's ``matrix_units`` and its ``extra['arch']`` text; None without one
+        (a kernel that asks for fragments then runs the emulation)."""
+        return codegen.matrix_unit(self.dialect or "", self.device.extra.get("arch"))
+
+    def fragments(self) -> codegen.Lowering:
+        """The fragment API's lowering here: native, or the emulation with the lane map
+        $PORTAKERN_MMA_LAYOUT names (read now)."""
+        return codegen.lowering(self.dialect or "", self.device.extra.get("arch"))
+
     # --- shared machinery --------------------------------------------------------------------
     def kernels_for(self, spec: KernelSpec, prob: Problem, cfg: Mapping[str, int]
                     ) -> Mapping[str, Any]:
         """The spec's compiled kernels for a problem and configuration, cached per rendered
-        source's inputs (LRU-bounded)."""
+        source's inputs (LRU-bounded; the fragment lowering is one of them)."""
         slots = spec.slots(prob)
         defs = spec.defines(prob, cfg)
         slot_key = tuple(sorted((k, dtypes.dtype_name(v)) for k, v in slots.items()))
-        key = (spec.name, spec.token, slot_key, tuple(sorted(defs.items())))
+        low = self.fragments() if codegen.uses_fragments(spec.source) else None
+        key = (spec.name, spec.token, slot_key, tuple(sorted(defs.items())),
+               low.key if low is not None else None)
         got = self._kernels.get(key)
         if got is None:
             with self._lock:
                 got = self._kernels.get(key)
                 if got is None:
-                    src = spec.render(self.dialect or "", prob, cfg)
+                    src = spec.render(self.dialect or "", prob, cfg, low)
                     got = self.compile(src, kernel_entry_points(spec, prob, cfg))
                     self._kernels[key] = got
         return got

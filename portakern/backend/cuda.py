@@ -229,6 +229,8 @@ class CudaBackend(KernelBackend):
             local_mem_bytes=int(p.get("sharedMemPerBlock", 48 * 1024)),
             compute_units=int(p.get("multiProcessorCount", 1)),
             extra={"compute_capability": cc,
+                   # what codegen's matrix_units match (sm_80+: mma.sync)
+                   "arch": "sm_" + cc.replace(".", ""),
                    "memory_bytes": int(p.get("totalGlobalMem", 0)),
                    "shared_mem_per_block": int(p.get("sharedMemPerBlock", 0)),
                    "shared_mem_per_block_optin": int(p.get("sharedMemPerBlockOptin", 0)),

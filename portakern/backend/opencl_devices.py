@@ -271,7 +271,9 @@ def probe_devices() -> Availability:
             max_work_group_size=int(d.max_work_group_size),
             local_mem_bytes=int(d.local_mem_size), compute_units=int(d.max_compute_units),
             extra={"opencl_c": d.opencl_c_version, "alias": alias + (str(n) if n else ""),
-                   "device_id": d.int_ptr, "fp16_arith": "cl_khr_fp16" in d.extensions}))
+                   "device_id": d.int_ptr, "fp16_arith": "cl_khr_fp16" in d.extensions,
+                   # what codegen's matrix_units match: the matrix extensions it offers
+                   "arch": " ".join(e for e in d.extensions.split() if "matrix" in e)}))
     return Availability(True, versions=versions, devices=devices)
 
 

@@ -190,6 +190,29 @@ class Choice(Knob[str]):
         return low if low in self.choices else self.default
 
 
+class StrictChoice(Knob[str]):
+    """One of ``choices`` (any case); the default when unset or blank. Any other text is an
+    error (InvalidArgumentError naming the variable, the text and the choices), never a
+    silent default: a test run that means one lane map must not run another."""
+
+    kind = "choice"
+
+    def __init__(self, env: str, default: str, choices: tuple[str, ...], doc: str) -> None:
+        super().__init__(env, default, doc)
+        self.choices = choices
+
+    def parse(self, text: str) -> str:
+        low = text.lower()
+        if low in self.choices:
+            return low
+        from .errors import InvalidArgumentError  # core: a sibling module, imported late
+
+        raise InvalidArgumentError(
+            f"${self.env}={text!r} is not one of {', '.join(self.choices)}. Fix: set it to "
+            f"one of them (e.g. {self.env}={self.choices[0]}), or unset it for "
+            f"{self.default}.")
+
+
 class Group:
     """A topic's knobs, as class attributes; the one instance of each is a module attribute
     named after its ``topic``."""
@@ -331,6 +354,20 @@ class Tools(Group):
         "the hipcc the AMD compile check runs; unset: PATH, then /opt/rocm/bin/hipcc")
 
 
+class Mma(Group):
+    """Matrix units (docs/fragments.md)."""
+
+    __slots__ = ()
+    topic = "mma"
+    layout = StrictChoice(
+        "PORTAKERN_MMA_LAYOUT", "sm80", ("sm80", "cdna", "rdna3", "intel"),
+        "the lane map the fragment API's emulation mirrors on devices without matrix units "
+        "(PoCL, Intel's CPU runtime, Oclgrind): sm80 (NVIDIA mma.sync), cdna (AMD MFMA), "
+        "rdna3 (AMD WMMA) or intel (Intel's sub-group matrix multiply); a kernel that "
+        "assumes one layout fails under the others. Devices with matrix units always use "
+        "their own")
+
+
 selection = Selection()
 cache = Cache()
 tuning = Tuning()
@@ -340,9 +377,10 @@ host = Host()
 opencl = OpenCL()
 oclgrind = Oclgrind()
 tools = Tools()
+mma = Mma()
 
 GROUPS: tuple[Group, ...] = (selection, cache, tuning, kernels, jax, host, opencl, oclgrind,
-                             tools)
+                             tools, mma)
 SETTINGS: dict[str, Knob[Any]] = {k.env: k for g in GROUPS for k in g.knobs()}
 
 

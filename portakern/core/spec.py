@@ -390,18 +390,23 @@ class KernelSpec:
         return prob
 
     # --- rendering ----------------------------------------------------------------------
-    def render(self, dialect: str, problem: Problem, config: Mapping[str, int]) -> str:
+    def render(self, dialect: str, problem: Problem, config: Mapping[str, int],
+               fragments: codegen.Lowering | None = None) -> str:
         """This op's kernel source in a C dialect for one problem and validated config: the
-        slots and defines the spec derives, substituted by portakern.core.codegen.render."""
+        slots and defines the spec derives, substituted by portakern.core.codegen.render.
+        ``fragments``: the target's fragment-API lowering (None: the emulation)."""
         return codegen.render(self.source, dialect, slots=self.slots(problem),
-                              defines=self.defines(problem, config))
+                              defines=self.defines(problem, config), fragments=fragments)
 
     # --- tunables -----------------------------------------------------------------------
     def config(self, device_class: str, overrides: Mapping[str, object] | None = None,
-               problem: Problem | None = None) -> dict[str, int]:
-        """Default schedule for a device class ('cpu' or 'gpu'), overridden and validated."""
+               problem: Problem | None = None, *, matrix: bool = False) -> dict[str, int]:
+        """Default schedule for a device class ('cpu' or 'gpu'), overridden and validated.
+        ``matrix``: the device has matrix units (``Backend.matrix_unit``); a spec's "mma"
+        schedule, where it has one, is then the default (docs/fragments.md)."""
         # overrides may hold anything a caller passed: each value is checked below
-        base: dict[str, object] = dict(self.schedules.get(device_class)
+        sched = self.schedules.get("mma") if matrix else None
+        base: dict[str, object] = dict(sched or self.schedules.get(device_class)
                                        or self.schedules.get("gpu") or {})
         if overrides:
             base.update(overrides)

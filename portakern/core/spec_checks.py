@@ -33,7 +33,7 @@ from .spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Problem, Scalar, Tun
 
 # PK_KERNEL [PK_LAUNCH_BOUNDS(n, m)] void name(  -- the bounds' arguments may hold one level
 # of parentheses, e.g. PK_LAUNCH_BOUNDS((LX * LY), 2)
-ENTRY_POINT = re.compile(r"PK_KERNEL\s+(?:PK_LAUNCH_BOUNDS\s*\((?:[^()]|\([^()]*\))*\)\s*)?"
+ENTRY_POINT = re.compile(r"PK_KERNEL\s+(?:PK_MMA_KERNEL_ATTR\s+)?(?:PK_LAUNCH_BOUNDS\s*\((?:[^()]|\([^()]*\))*\)\s*)?"
                          r"void\s+([A-Za-z_]\w*)\s*\(")
 RESERVED_PARAMS = ("backend", "config")  # keywords of portakern.call itself
 REQUIRED_CALLABLES = ("validate", "semantics", "slots", "defines", "launches", "cost",
@@ -58,8 +58,8 @@ def spec_error(spec: str, field: str, what: str, fix: str) -> SpecError:
 
 
 def kernel_names(source: str) -> list[str]:
-    """Entry points a source defines (``PK_KERNEL void name(``, launch bounds allowed between
-    PK_KERNEL and void), in order of appearance."""
+    """Entry points a source defines (``PK_KERNEL void name(``, the fragment API's kernel
+    attribute and launch bounds allowed between PK_KERNEL and void), in order of appearance."""
     return ENTRY_POINT.findall(source)
 
 

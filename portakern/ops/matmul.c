@@ -262,3 +262,108 @@ PK_KERNEL PK_LAUNCH_BOUNDS(LX * LY, MM_MIN_GROUPS) void matmul(PK_GLOBAL const P
         }
     }
 }
+
+#if MMA
+/* The fragment schedule (MMA=1, fp16/bf16: matmul.py): matrix units through the fragment API
+ * (mma.c, docs/fragments.md), and nothing here knows a lane layout. A work-group of MITEMS
+ * items (a multiple of every wave) owns an MBM x MBN block of C, MBM/16 x MBN/16 tiles; its
+ * waves split the tiles evenly, each wave an MM_WM x MM_WN arrangement of them, so a wave
+ * loads MM_WM A and MM_WN B fragments per 16-deep k step for MM_WM * MM_WN tile products.
+ * TK-deep slices of A and B are staged in local memory as their 16-bit patterns, zero-padded
+ * past M, N and K (padding adds exact zeros). Long K is summed as on every other path: the
+ * tile products accumulate one KB1 block in the C fragments (k in order: 16 per product),
+ * block sums are added outside pk_mma into a second-level sum, and every KB2 blocks into the
+ * total, so the emulation computes the same tree as the SIMT paths. */
+#define MM_TM16 (MBM / 16)
+#define MM_TN16 (MBN / 16)
+#define MM_WAVES (MITEMS / PK_MMA_WAVE)
+#define MM_TPW (MM_TM16 * MM_TN16 / MM_WAVES) /* tiles per wave */
+#define MM_WN (MM_TPW < MM_TN16 ? MM_TPW : MM_TN16)
+#define MM_WM (MM_TPW / MM_WN)
+#define MM_WCOLS (MM_TN16 / MM_WN) /* waves side by side */
+#if MITEMS % PK_MMA_WAVE != 0 || (MM_TM16 * MM_TN16) % MM_WAVES != 0 || MM_TN16 % MM_WN != 0 \
+    || MM_TPW % MM_WN != 0 || MM_TM16 % MM_WM != 0 || TK % 16 != 0
+#error "matmul MMA schedule: MBM, MBN, MITEMS and TK do not split into whole waves and tiles"
+#endif
+PK_KERNEL PK_MMA_KERNEL_ATTR PK_LAUNCH_BOUNDS(MITEMS, 1)
+void matmul_mma(PK_GLOBAL const PK_T_T* PK_RESTRICT A, PK_GLOBAL const PK_T_T* PK_RESTRICT B,
+                PK_GLOBAL PK_T_T* PK_RESTRICT C, int M, int N, int K, int nb1,
+                int sa0, int sa1, int sb0, int sb1, int sc0, int sc1,
+                int a_off, int b_off, int c_off)
+{
+    PK_LOCAL unsigned short As[MBM * TK]; /* As[r * TK + k] */
+    PK_LOCAL unsigned short Bs[TK * MBN]; /* Bs[k * MBN + n] */
+    PK_MMA_SCRATCH(scratch, MM_WAVES);
+    const int tid = PK_LOCAL_ID(0);
+    const int lane = PK_MMA_LANE(tid);
+    const int wave = PK_MMA_WAVE_ID(tid);
+    const int tm0 = (wave / MM_WCOLS) * MM_WM; /* the wave's first tile row and column */
+    const int tn0 = (wave - (wave / MM_WCOLS) * MM_WCOLS) * MM_WN;
+    PK_LOCAL_PTR unsigned short* ws = scratch + wave * PK_MMA_SCRATCH_WORDS;
+    const int row0 = PK_GROUP_ID(1) * MBM;
+    const int col0 = PK_GROUP_ID(0) * MBN;
+    const int z = PK_GROUP_ID(2);
+    const int z0 = z / nb1;
+    const int z1 = z - z0 * nb1;
+    const int ao = a_off + z0 * sa0 + z1 * sa1;
+    const int bo = b_off + z0 * sb0 + z1 * sb1;
+    const int co = c_off + z0 * sc0 + z1 * sc1;
+
+    pk_frag_c acc[MM_WM][MM_WN], mid[MM_WM][MM_WN], tot[MM_WM][MM_WN];
+    for (int i = 0; i < MM_WM; ++i)
+        for (int j = 0; j < MM_WN; ++j) {
+            pk_mma_fill_c(&acc[i][j], 0.0f);
+            pk_mma_fill_c(&mid[i][j], 0.0f);
+            pk_mma_fill_c(&tot[i][j], 0.0f);
+        }
+    for (int k0 = 0; k0 < K; k0 += TK) {
+        for (int idx = tid; idx < MBM * TK; idx += MITEMS) {
+            const int r = idx / TK, kk = idx - (idx / TK) * TK;
+            const int gr = row0 + r, gk = k0 + kk;
+            As[idx] = (gr < M && gk < K) ? PK_BITS_T(A, ao + gr * K + gk) : (unsigned short)0;
+        }
+        for (int idx = tid; idx < TK * MBN; idx += MITEMS) {
+            const int kk = idx / MBN, c = idx - (idx / MBN) * MBN;
+            const int gk = k0 + kk, gc = col0 + c;
+            Bs[idx] = (gk < K && gc < N) ? PK_BITS_T(B, bo + gk * N + gc) : (unsigned short)0;
+        }
+        PK_BARRIER();
+        for (int kk = 0; kk < TK; kk += 16) {
+            pk_frag_a fa[MM_WM];
+            pk_frag_b fb[MM_WN];
+            for (int i = 0; i < MM_WM; ++i)
+                pk_mma_load_a(&fa[i], As + (tm0 + i) * 16 * TK + kk, TK, 1, lane);
+            for (int j = 0; j < MM_WN; ++j)
+                pk_mma_load_b(&fb[j], Bs + kk * MBN + (tn0 + j) * 16, MBN, 1, lane);
+            for (int i = 0; i < MM_WM; ++i)
+                for (int j = 0; j < MM_WN; ++j)
+                    PK_MMA_T(&acc[i][j], &fa[i], &fb[j], ws, lane);
+        }
+        PK_BARRIER();
+        if ((k0 + TK) % KB1 == 0) { /* a KB1 block is complete: add it outside pk_mma */
+            for (int i = 0; i < MM_WM; ++i)
+                for (int j = 0; j < MM_WN; ++j)
+                    for (int e = 0; e < PK_MMA_C_ELEMS; ++e) {
+                        mid[i][j].x[e] += acc[i][j].x[e];
+                        acc[i][j].x[e] = 0.0f;
+                    }
+            if (((k0 / KB1) % KB2) == KB2 - 1)
+                for (int i = 0; i < MM_WM; ++i)
+                    for (int j = 0; j < MM_WN; ++j)
+                        for (int e = 0; e < PK_MMA_C_ELEMS; ++e) {
+                            tot[i][j].x[e] += mid[i][j].x[e];
+                            mid[i][j].x[e] = 0.0f;
+                        }
+        }
+    }
+    for (int i = 0; i < MM_WM; ++i)
+        for (int j = 0; j < MM_WN; ++j)
+            for (int e = 0; e < PK_MMA_C_ELEMS; ++e) {
+                const int r = row0 + (tm0 + i) * 16 + PK_MMA_C_ROW(lane, e);
+                const int c = col0 + (tn0 + j) * 16 + PK_MMA_C_COL(lane, e);
+                if (r < M && c < N)
+                    PK_STORE_T(C, co + r * N + c,
+                               tot[i][j].x[e] + (mid[i][j].x[e] + acc[i][j].x[e]));
+            }
+}
+#endif

@@ -74,10 +74,19 @@ def slots(p: Problem) -> dict[str, Any]:
 PACK_KB = 64  # rows of B one packing item copies (matmul.c)
 
 
+MMA_DTYPES = ("float16", "bfloat16")  # what the fragment schedule takes (TF32 never)
+
+
+def uses_mma(p: Problem, cfg: Mapping[str, int]) -> bool:
+    """Whether the call runs the fragment schedule (``matmul_mma``, matrix units or their
+    emulation): MMA=1 and fp16/bf16 operands. float32/float64 stay SIMT whatever MMA says."""
+    return bool(cfg.get("MMA")) and p.dtype in MMA_DTYPES
+
+
 def packs_b(p: Problem, cfg: Mapping[str, int]) -> bool:
     """Whether B is copied into column panels first (PACK_B, see matmul.c): asked for, on the
     direct (USE_LOCAL=0) path, and the packed copy indexable with 32-bit ints."""
-    if not cfg.get("PACK_B") or cfg["USE_LOCAL"]:
+    if not cfg.get("PACK_B") or cfg["USE_LOCAL"] or uses_mma(p, cfg):
         return False
     return _packed_elements(p, cfg) <= MAX_INDEX
 
@@ -98,7 +107,7 @@ def _chunks(p: Problem) -> list[tuple[list[int], int, int, list[int], list[int]]
 
 
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
-    return {**cfg, "PACK_B": int(packs_b(p, cfg))}
+    return {**cfg, "PACK_B": int(packs_b(p, cfg)), "MMA": int(uses_mma(p, cfg))}
 
 
 def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
@@ -107,7 +116,11 @@ def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     M, N, K, batch = (p.derived[k] for k in ("M", "N", "K", "batch"))
-    bm, bn = cfg["LY"] * cfg["TM"], cfg["LX"] * cfg["TN"] * cfg["VEC"]
+    mma = uses_mma(p, cfg)
+    if mma:
+        bm, bn = cfg["MBM"], cfg["MBN"]
+    else:
+        bm, bn = cfg["LY"] * cfg["TM"], cfg["LX"] * cfg["TN"] * cfg["VEC"]
     gy = cdiv(M, bm)
     if gy > MAX_GRID_YZ:
         raise ShapeError(f"matmul: M={M} needs {gy} row tiles of {bm}, more than {MAX_GRID_YZ} "
@@ -125,7 +138,12 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
                        Scalar(s0[0]), Scalar(s1[0]), Scalar(s0[1]), Scalar(s1[1]),
                        Scalar(s0[2]), Scalar(s1[2]), Scalar(off[0]), Scalar(off[1]),
                        Scalar(off[2]))
-        out.append(Launch("matmul", (cdiv(N, bn), gy, n0 * n1), (cfg["LX"], cfg["LY"], 1), args))
+        if mma:
+            out.append(Launch("matmul_mma", (cdiv(N, bn), gy, n0 * n1),
+                              (cfg["MITEMS"], 1, 1), args))
+        else:
+            out.append(Launch("matmul", (cdiv(N, bn), gy, n0 * n1),
+                              (cfg["LX"], cfg["LY"], 1), args))
     return out
 
 
@@ -287,7 +305,35 @@ def statistical_ordered(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -
     return StatModel(np.sqrt(sigma2), _floor(p))
 
 
+MMA_WAVES = (8, 16, 32, 64)  # every wave a lowering has (core/codegen.py FRAGMENTS)
+
+
+def mma_check(cfg: Mapping[str, int]) -> str | None:
+    """Why the fragment schedule's MBM, MBN, MITEMS and TK cannot split into whole waves and
+    tiles for every wave size (the kernel must not depend on which target it meets), or
+    None. Mirrors matmul.c's #error."""
+    if cfg["TK"] % 16:
+        return f"MMA=1 takes TK a multiple of 16 (a tile's k depth); got TK={cfg['TK']}."
+    tm, tn, items = cfg["MBM"] // 16, cfg["MBN"] // 16, cfg["MITEMS"]
+    for wave in MMA_WAVES:
+        waves = items // wave
+        if items % wave or (tm * tn) % waves:
+            return (f"MMA=1: {tm * tn} tiles of 16x16 ({cfg['MBM']}x{cfg['MBN']}) do not "
+                    f"split evenly over the {waves} waves of {wave} lanes in MITEMS={items}; "
+                    "raise MBM/MBN or lower MITEMS.")
+        tpw = tm * tn // waves
+        wn = min(tpw, tn)
+        if tn % wn or tpw % wn or tm % (tpw // wn):
+            return (f"MMA=1: {tpw} tiles per wave of {wave} do not tile a "
+                    f"{cfg['MBM']}x{cfg['MBN']} block; use square blocks.")
+    return None
+
+
 def config_check(p: Problem | None, cfg: Mapping[str, int]) -> str | None:
+    if cfg["MMA"] and (p is None or p.dtype in MMA_DTYPES):
+        why = mma_check(cfg)
+        if why:
+            return why
     if cfg["TM"] * cfg["TN"] * cfg["VEC"] > 512:
         return "TM*TN*VEC exceeds 512 accumulators per work-item; lower one of them."
     bn = cfg["LX"] * cfg["TN"] * cfg["VEC"]
@@ -305,6 +351,11 @@ TUNABLES = (
     Tunable("USE_LOCAL", (0, 1), "stage tiles through local/shared memory"),
     Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes per column group (CPU schedule)"),
     Tunable("PACK_B", (0, 1), "copy B into column panels first (USE_LOCAL=0; ignored with 1)"),
+    Tunable("MMA", (0, 1), "fp16/bf16: the fragment schedule (matrix units, or their "
+            "emulation where the device has none); float32/float64 ignore it (no TF32)"),
+    Tunable("MBM", (32, 64, 128), "MMA=1: rows of C per work-group (a multiple of 16)"),
+    Tunable("MBN", (32, 64, 128), "MMA=1: columns of C per work-group"),
+    Tunable("MITEMS", (64, 128, 256), "MMA=1: work-items per group (whole waves of 64)"),
 )
 
 
@@ -383,13 +434,15 @@ def examples(dtype: str) -> list[Example]:
              {"a": ArrayMeta((2, 64, 48), dtype), "b": ArrayMeta((48, 80), dtype)}, {})]
 
 
+_MMA_OFF = {"MMA": 0, "MBM": 64, "MBN": 64, "MITEMS": 128}
+
 SPEC = KernelSpec(
     name="matmul",
     operands=(Operand("a"), Operand("b")),
     params={},
     validate=validate,
     semantics=semantics,
-    source=kernel_source("matmul.c"),
+    source=kernel_source("mma.c", "matmul.c"),
     slots=slots,
     defines=defines,
     launches=launches,
@@ -400,11 +453,15 @@ SPEC = KernelSpec(
     tunables=TUNABLES,
     schedules={
         "gpu": {"TM": 4, "TN": 4, "LX": 16, "LY": 16, "TK": 16, "USE_LOCAL": 1, "VEC": 1,
-                "PACK_B": 0},
+                "PACK_B": 0, **_MMA_OFF},
         # CPU: 6x64 per item in 24 zmm accumulators; 4 items (24 rows) per work-group, so
         # PoCL's per-group cost is paid once per ~31 us of FMAs at N=1024, not per ~8 us
         "cpu": {"TM": 6, "TN": 4, "LX": 1, "LY": 4, "TK": 16, "USE_LOCAL": 0, "VEC": 16,
-                "PACK_B": 1},
+                "PACK_B": 1, **_MMA_OFF},
+        # a device with matrix units (CUDA sm_80+, HIP CDNA/RDNA3, Intel's extension): the
+        # gpu schedule, and fp16/bf16 through the fragment API
+        "mma": {"TM": 4, "TN": 4, "LX": 16, "LY": 16, "TK": 16, "USE_LOCAL": 1, "VEC": 1,
+                "PACK_B": 0, "MMA": 1, "MBM": 64, "MBN": 64, "MITEMS": 128},
     },
     config_check=config_check,
     workspace=workspace,

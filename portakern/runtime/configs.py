@@ -284,7 +284,7 @@ def lookup(backend: Any, spec: KernelSpec, prob: Problem) -> dict[str, int] | No
             _warn_entry(devkey, e.key, f"the spec rejects it ({exc})")
             continue
         try:  # and for this problem: the spec's own check and the launch geometry
-            cfg = spec.config(backend.device_class, e.config, prob)
+            cfg = spec.config(backend.device_class, e.config, prob, matrix=has_matrix_unit(backend))
             wg = max((la.local[0] * la.local[1] * la.local[2] for la in spec.launches(prob, cfg)),
                      default=1)
         except PortakernError as exc:
@@ -295,6 +295,11 @@ def lookup(backend: Any, spec: KernelSpec, prob: Problem) -> dict[str, int] | No
             continue
         return cfg
     return None
+
+
+def has_matrix_unit(backend: Backend) -> bool:
+    """Whether the device has matrix units a spec's "mma" schedule uses (docs/fragments.md)."""
+    return getattr(backend, "matrix_unit", None) is not None
 
 
 # --- listing ------------------------------------------------------------------------------
@@ -311,12 +316,14 @@ def config_for(backend: Backend, spec: KernelSpec, prob: Problem,
     schedule for the device class. Tuned lookups are memoised per (backend, spec, tuning
     generation, bucket) in one bounded cache."""
     if overrides:
-        return spec.config(backend.device_class, overrides, prob)
+        return spec.config(backend.device_class, overrides, prob,
+                           matrix=has_matrix_unit(backend))
     key = (backend, spec.token) + cache_token(prob)
     cfg = _CONFIGS.get(key)
     if cfg is None:
         found = lookup(backend, spec, prob) if backend.uses_tuned_configs else None
-        cfg = found or spec.config(backend.device_class, None, prob)
+        cfg = found or spec.config(backend.device_class, None, prob,
+                                   matrix=has_matrix_unit(backend))
         with _LOCK:
             _CONFIGS[key] = cfg
     return dict(cfg)

@@ -46,6 +46,8 @@ if hasattr(os, "register_at_fork"):  # a child never reuses a parent's launchers
 
 _CURRENT = selection.current_choice
 _ENV_BACKEND = settings.watcher(selection.ENV_VAR)
+# the lane map of the fragment API's emulation: a plan's kernels were rendered with one
+_ENV_MMA_LAYOUT = settings.watcher(settings.Mma.layout.env)
 
 
 def plan_key(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -54,15 +56,16 @@ def plan_key(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
     """The declared key of a plan, taken before the backend is resolved: the spec's token;
     what resolution reads (``backend=``, the ``use`` choice of this thread or task,
     $PORTAKERN_BACKEND, the registry's version; automatic selection also reads the operands'
-    types, which are in the key); each operand's type, shape and dtype (positional, or by
+    types, which are in the key); $PORTAKERN_MMA_LAYOUT (the emulated fragments' lane map);
+    each operand's type, shape and dtype (positional, or by
     keyword); each parameter's name, type and value (types: True == 1, yet axis=True must be
     refused); the config overrides; and the tuning generation. So a repeated call never
     resolves its backend again.
 
     Raises AttributeError for an operand without shape/dtype (a list, a scalar): such a call
     is validated (and refused) without a plan; an unhashable part raises TypeError at lookup."""
-    key: list[Any] = [spec.token, backend, _CURRENT(), _ENV_BACKEND(), registry.VERSION,
-                      configs.GENERATION]
+    key: list[Any] = [spec.token, backend, _CURRENT(), _ENV_BACKEND(), _ENV_MMA_LAYOUT(),
+                      registry.VERSION, configs.GENERATION]
     append = key.append
     for a in args:
         append((a.__class__, a.shape, a.dtype))
@@ -89,7 +92,8 @@ def make_plan(be: Backend, spec: KernelSpec, arrays: Mapping[str, Any],
     be.check_dtype(spec, prob)
     cfg = dict(config) if config else None
     if cfg and isinstance(be, KernelBackend):  # the tunables' domains, the spec's own check
-        spec.config(be.device_class, cfg, prob)  # (array backends check where they use it)
+        spec.config(be.device_class, cfg, prob,  # (array backends check where they use it)
+                    matrix=configs.has_matrix_unit(be))
     return Plan(spec, be, prob, cfg, gen)
 
 

@@ -122,7 +122,7 @@ def test_entry_points_with_launch_bounds_are_found() -> None:
            "PK_KERNEL  PK_LAUNCH_BOUNDS((BQ), 2)\nvoid nested (int n) {}\n"
            "static void helper(int n) {}\n")
     assert kernel_names(src) == ["plain", "bounded", "nested"]
-    assert kernel_names(get_op("matmul").source) == ["matmul_pack_b", "matmul"]
+    assert kernel_names(get_op("matmul").source) == ["matmul_pack_b", "matmul", "matmul_mma"]
     assert kernel_names(get_op("attention").source) == ["attention_pack_kv", "attention"]
 
 
