@@ -33,7 +33,8 @@ from .spec import ArrayMeta, Buf, Cost, KernelSpec, Launch, Problem, Scalar, Tun
 
 # PK_KERNEL [PK_LAUNCH_BOUNDS(n, m)] void name(  -- the bounds' arguments may hold one level
 # of parentheses, e.g. PK_LAUNCH_BOUNDS((LX * LY), 2)
-ENTRY_POINT = re.compile(r"PK_KERNEL\s+(?:PK_MMA_KERNEL_ATTR\s+)?(?:PK_LAUNCH_BOUNDS\s*\((?:[^()]|\([^()]*\))*\)\s*)?"
+ENTRY_POINT = re.compile(r"PK_KERNEL\s+(?:PK_MMA_KERNEL_ATTR\s+)?"
+                         r"(?:PK_LAUNCH_BOUNDS\s*\((?:[^()]|\([^()]*\))*\)\s*)?"
                          r"void\s+([A-Za-z_]\w*)\s*\(")
 RESERVED_PARAMS = ("backend", "config")  # keywords of portakern.call itself
 REQUIRED_CALLABLES = ("validate", "semantics", "slots", "defines", "launches", "cost",

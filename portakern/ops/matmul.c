@@ -285,7 +285,7 @@ PK_KERNEL PK_LAUNCH_BOUNDS(LX * LY, MM_MIN_GROUPS) void matmul(PK_GLOBAL const P
     || MM_TPW % MM_WN != 0 || MM_TM16 % MM_WM != 0 || TK % 16 != 0
 #error "matmul MMA schedule: MBM, MBN, MITEMS and TK do not split into whole waves and tiles"
 #endif
-PK_KERNEL PK_MMA_KERNEL_ATTR PK_LAUNCH_BOUNDS(MITEMS, 1)
+PK_KERNEL PK_MMA_KERNEL_ATTR PK_LAUNCH_BOUNDS(MITEMS, MITEMS <= 512 ? 512 / MITEMS : 1)
 void matmul_mma(PK_GLOBAL const PK_T_T* PK_RESTRICT A, PK_GLOBAL const PK_T_T* PK_RESTRICT B,
                 PK_GLOBAL PK_T_T* PK_RESTRICT C, int M, int N, int K, int nb1,
                 int sa0, int sa1, int sb0, int sb1, int sc0, int sc1,

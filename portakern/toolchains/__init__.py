@@ -58,6 +58,9 @@ class KernelResources:
     wave_size: int = 32
     sgpr: int | None = None
     agpr: int | None = None
+    # matrix-unit instructions in the kernel's machine code (NVIDIA HMMA from cuobjdump -sass,
+    # AMD v_mfma/v_wmma from the assembly); None where the tool to read them is absent
+    matrix_instructions: int | None = None
 
 
 # (resident warps/waves, most resident, limiting resource, unit counted per) or None
@@ -110,7 +113,8 @@ def _nvrtc_resources(source: str, arch: str, name: str) -> list[KernelResources]
     from . import nvrtc
 
     return [KernelResources(k["kernel"], k["registers"], k["spill_stores"], k["spill_loads"],
-                            k["stack_bytes"], k["shared_bytes"], k["barriers"])
+                            k["stack_bytes"], k["shared_bytes"], k["barriers"],
+                            matrix_instructions=k.get("matrix_instructions"))
             for k in nvrtc.kernel_resources(source, arch, name)]
 
 
@@ -153,13 +157,17 @@ def _hip_compile(source: str, arch: str, options: Sequence[str] | None = None,
 
 
 def _hip_resources(source: str, arch: str, name: str) -> list[KernelResources]:
-    got = _hip_compile(source, arch, None, name)
+    from . import hipcc
+
+    got = _hip_compile(source, arch, hipcc.resource_options(arch), name)
     err = got.error(source)
     if err is not None:
         raise err
     return [KernelResources(k["kernel"], k["vgpr"], 4 * k["vgpr_spills"], 4 * k["vgpr_spills"],
                             k["private_bytes"], k["lds_bytes"], k["barriers"], k["wave_size"],
-                            sgpr=k["sgpr"], agpr=k["agpr"]) for k in got.kernels]
+                            sgpr=k["sgpr"], agpr=k["agpr"],
+                            matrix_instructions=k.get("matrix_instructions"))
+            for k in got.kernels]
 
 
 def _hip_occupancy(arch: str, threads: int, k: KernelResources) -> Occupancy:

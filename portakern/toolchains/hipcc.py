@@ -59,6 +59,11 @@ OPTIONS: tuple[str, ...] = ("-x", "hip", "--cuda-device-only", "-O3", "-std=c++1
 FORBIDDEN_OPTIONS: tuple[str, ...] = ("-ffast-math", "-fgpu-flush-denormals-to-zero",
                                       "-funsafe-math-optimizations")
 TIMEOUT_S = 300
+# Architectures for which this toolchain has no device libraries (Debian's ROCm 5.2: gfx11):
+# the resource report builds them with -nogpulib, which serves kernels that call no library
+# function (the hip dialect's ids, sizes and barrier are compiler builtins; matmul needs no
+# math library). The compile check still reports them as not accepted (probe_arch).
+NO_DEVICE_LIBS: tuple[str, ...] = ("gfx1100",)
 _ARCH = re.compile(r"^gfx[0-9]{2,4}[a-z]?$")
 
 
@@ -131,6 +136,11 @@ def _fix(path: str) -> str:
 def compile_options() -> tuple[str, ...]:
     """hipcc options of the check (the architecture and output are added per compile)."""
     return OPTIONS
+
+
+def resource_options(arch: str) -> tuple[str, ...] | None:
+    """The options the resource report compiles ``arch`` with (None: ``OPTIONS``)."""
+    return OPTIONS + ("-nogpulib",) if normalize_arch(arch) in NO_DEVICE_LIBS else None
 
 
 @dataclass
@@ -236,8 +246,17 @@ def kernel_metadata(asm: str) -> list[dict[str, Any]]:
                     "lds_bytes": num("group_segment_fixed_size"),
                     "wave_size": num("wavefront_size") or 64,
                     "max_group_size": num("max_flat_workgroup_size"),
-                    "barriers": _barriers(asm, name)})
+                    "barriers": _barriers(asm, name),
+                    "matrix_instructions": _count_in_body(asm, name, _MATRIX_ASM)})
     return out
+
+
+_MATRIX_ASM = r"^\s*v_(?:mfma|wmma|smfmac)\w*"  # matrix-core instructions (CDNA, RDNA3)
+
+
+def _count_in_body(asm: str, kernel: str, pattern: str) -> int:
+    m = re.search(rf"^{re.escape(kernel)}:.*?$(.*?)^\.Lfunc_end", asm, re.M | re.S)
+    return len(re.findall(pattern, m.group(1), re.M)) if m else 0
 
 
 def _barriers(asm: str, kernel: str) -> int:
@@ -290,6 +309,10 @@ ARCH_LIMITS: dict[str, dict[str, int]] = {
     "gfx90a": {"simds": 4, "waves_per_simd": 8, "vgprs": 512, "vgpr_granule": 8,
                "sgprs": 800, "sgpr_granule": 16, "lds": 64 * 1024, "lds_granule": 512},
     "gfx1030": {"simds": 4, "waves_per_simd": 16, "vgprs": 1024, "vgpr_granule": 16,
+                "sgprs": 0, "sgpr_granule": 0, "lds": 128 * 1024, "lds_granule": 512},
+    # gfx1100 (RDNA3, wave32, per WGP): 1536 VGPRs per SIMD in granules of 24 (LLVM
+    # AMDGPUBaseInfo: getTotalNumVGPRs / getVGPRAllocGranule for gfx1100/1101)
+    "gfx1100": {"simds": 4, "waves_per_simd": 16, "vgprs": 1536, "vgpr_granule": 24,
                 "sgprs": 0, "sgpr_granule": 0, "lds": 128 * 1024, "lds_granule": 512},
 }
 UNIT = "CU"  # gfx1030 rows are per WGP (2 CUs); the report says so

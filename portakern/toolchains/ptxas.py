@@ -50,6 +50,7 @@ CUOBJDUMP_FIX = ("pip install 'portakern[cuda]' (its nvidia-cuda-cuobjdump wheel
 WHEEL_PACKAGES: dict[str, tuple[str, ...]] = {
     "ptxas": ("nvidia.cuda_nvcc", "nvidia.cu13"),
     "cuobjdump": ("nvidia.cu13", "nvidia.cuda_cuobjdump"),
+    "nvdisasm": ("nvidia.cu13", "nvidia.cuda_nvdisasm"),  # what cuobjdump -sass runs
 }
 SYSTEM_DIRS: tuple[str, ...] = ("/usr/local/cuda/bin",)
 TIMEOUT_S = 300
@@ -180,8 +181,14 @@ def assemble(ptx: bytes | str, arch: str) -> tuple[bytes, str]:
 def ptxas_resources(ptx: bytes | str, arch: str) -> list[dict[str, Any]]:
     """Per entry point of a PTX module: the registers, stack frame, spill stores/loads,
     barriers and static shared memory ``ptxas -v --gpu-name sm_<arch>`` reports
-    (``parse_ptxas_log``'s keys). Raises as ``assemble`` does."""
-    return parse_ptxas_log(assemble(ptx, arch)[1])
+    (``parse_ptxas_log``'s keys), and ``matrix_instructions``: the HMMA instructions in its
+    SASS (``cuobjdump -sass``; None without cuobjdump). Raises as ``assemble`` does."""
+    cubin, log = assemble(ptx, arch)
+    got = parse_ptxas_log(log)
+    counts = sass_matrix_counts(cubin)
+    for k in got:
+        k["matrix_instructions"] = None if counts is None else counts.get(k["kernel"], 0)
+    return got
 
 
 def parse_ptxas_log(log: str) -> list[dict[str, Any]]:
@@ -228,6 +235,50 @@ def cubin_resources(cubin: bytes) -> list[dict[str, Any]]:
                    fix=f"check that `{exe} --version` runs; {CUOBJDUMP_FIX}",
                    timeout=TIMEOUT_S, shown=(exe, "--dump-resource-usage", "kernel.cubin"))
     return parse_cuobjdump_resources(done.stdout)
+
+
+# --- cuobjdump -sass: the matrix instructions of each function ------------------------------
+_SASS_FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)\s*$")
+MATRIX_SASS = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?HMMA\b", re.M)
+
+
+def find_nvdisasm() -> str | None:
+    """nvdisasm (which ``cuobjdump -sass`` runs): the nvidia-cuda-nvdisasm wheel's, else
+    PATH's, else None."""
+    return wheel_tool("nvdisasm") or shutil.which("nvdisasm")
+
+
+def sass_matrix_counts(cubin: bytes) -> dict[str, int] | None:
+    """Per function of a cubin, how many tensor-core instructions (``HMMA``) its SASS
+    (``cuobjdump -sass``) holds; None without cuobjdump or nvdisasm (pip install
+    'portakern[cuda]'). Raises ToolchainError as ``cubin_resources`` does."""
+    exe, disasm = find_cuobjdump(), find_nvdisasm()
+    if exe is None or disasm is None:
+        return None
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(disasm) + os.pathsep + env.get("PATH", "")
+    with tempfile.TemporaryDirectory(prefix="portakern-cuobjdump-") as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(bytes(cubin))
+        done = run("cuobjdump", (exe, "-sass", path), what="disassembling the cubin",
+                   fix=f"check that `{exe} --version` runs; {CUOBJDUMP_FIX}",
+                   timeout=TIMEOUT_S, env=env, shown=(exe, "-sass", "kernel.cubin"))
+    return parse_sass_matrix_counts(done.stdout)
+
+
+def parse_sass_matrix_counts(text: str) -> dict[str, int]:
+    """``cuobjdump -sass`` text -> {function: HMMA instructions}."""
+    out: dict[str, int] = {}
+    name = None
+    for line in text.splitlines():
+        m = _SASS_FUNCTION.match(line)
+        if m:
+            name = m.group(1)
+            out.setdefault(name, 0)
+        elif name is not None and MATRIX_SASS.match(line):
+            out[name] += 1
+    return out
 
 
 _FUNCTION = re.compile(r"^\s*Function ([^:\s]+):\s*$")

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..core import dtypes
+from ..core import codegen, dtypes
 from ..core.errors import BackendUnavailable, PortakernError, ToolchainError
 from ..core.spec import KernelSpec
 from ..ops import get_op
@@ -69,6 +69,8 @@ class KernelReport:
     barriers: int = 0
     sgpr: int | None = None
     agpr: int | None = None
+    # matrix-unit instructions (HMMA; v_mfma/v_wmma); None where they cannot be read here
+    matrix_instructions: int | None = None
     resident: int = 0  # warps / waves per SM / CU (WGP for gfx1030)
     resident_max: int = 0
     limiter: str = ""
@@ -103,10 +105,12 @@ def occupancy_floor(spec: KernelSpec, dtype: str) -> float:
 
 # --- measuring ---------------------------------------------------------------------------
 def render(spec: KernelSpec, dialect: str, dtype: str, schedule: str = "gpu",
-           config: Mapping[str, int] | None = None, problem: int = 0
+           config: Mapping[str, int] | None = None, problem: int = 0, arch: str | None = None
            ) -> tuple[str, str, dict[str, int], dict[str, int]]:
     """(problem label, rendered source, config, {kernel: group size}) for the op's
-    representative problem number ``problem``."""
+    representative problem number ``problem``. ``arch`` ('sm_80', 'gfx90a'): the device's
+    matrix units, where it has them, give the fragment lowering and (schedule gpu) the
+    spec's "mma" schedule, as on the device itself."""
     from .compile_check import representative_problems
 
     probs = representative_problems(spec, dtype)
@@ -115,8 +119,10 @@ def render(spec: KernelSpec, dialect: str, dtype: str, schedule: str = "gpu",
                              "for; give its KernelSpec `examples` (or `example`, or `shapes`) "
                              "and register it again.")
     label, prob = probs[problem]
-    cfg = spec.config(schedule, dict(config) if config else None, prob)
-    src = spec.render(dialect, prob, cfg)
+    low = codegen.lowering(dialect, arch)
+    cfg = spec.config(schedule, dict(config) if config else None, prob,
+                      matrix=low.native and schedule == "gpu")
+    src = spec.render(dialect, prob, cfg, low)
     sizes: dict[str, int] = {}
     for launch in spec.launches(prob, cfg):
         n = launch.local[0] * launch.local[1] * launch.local[2]
@@ -135,7 +141,8 @@ def measure(op: str, backend: str = "cuda", arch: str | None = None, dtype: str 
     spec = get_op(op)
     dtype = dtypes.info(dtype).name
     arch = target.normalize_arch(arch or target.resource_archs[0])
-    label, src, cfg, sizes = render(spec, target.dialect, dtype, schedule, config, problem)
+    label, src, cfg, sizes = render(spec, target.dialect, dtype, schedule, config, problem,
+                                    target.arch_label(arch))
     base = {"op": spec.name, "dtype": dtype, "schedule": schedule, "problem": label,
             "config": dict(cfg)}
     out = []
@@ -146,7 +153,8 @@ def measure(op: str, backend: str = "cuda", arch: str | None = None, dtype: str 
         rep = KernelReport(k.kernel, target.arch_label(arch), k.registers, k.spill_stores,
                            k.stack_bytes, k.shared_bytes, None, group_size=n,
                            spill_loads=k.spill_loads, barriers=k.barriers, sgpr=k.sgpr,
-                           agpr=k.agpr, unit=target.unit, **base)
+                           agpr=k.agpr, matrix_instructions=k.matrix_instructions,
+                           unit=target.unit, **base)
         occ = target.occupancy(arch, n, k)
         if occ is not None:
             rep.resident, rep.resident_max, rep.limiter, rep.unit = occ
@@ -162,7 +170,8 @@ def _split(values: Iterable[str] | None) -> list[str]:
 
 def format_table(reports: Sequence[KernelReport]) -> str:
     head = (f"{'kernel':18s} {'dtype':9s} {'arch':8s} {'regs':>5s} {'sgpr':>5s} {'agpr':>5s} "
-            f"{'spill B':>8s} {'stack B':>8s} {'shared B':>9s} {'bar':>4s} {'group':>6s} "
+            f"{'spill B':>8s} {'stack B':>8s} {'shared B':>9s} {'bar':>4s} {'mma':>5s} "
+            f"{'group':>6s} "
             f"{'occupancy':>22s}  limited by")
     lines = [head]
     for r in reports:
@@ -172,6 +181,7 @@ def format_table(reports: Sequence[KernelReport]) -> str:
             f"{r.kernel:18s} {r.dtype:9s} {r.arch:8s} {r.registers:5d} "
             f"{'-' if r.sgpr is None else r.sgpr:>5} {'-' if r.agpr is None else r.agpr:>5} "
             f"{r.spill_bytes:8d} {r.stack_bytes:8d} {r.shared_bytes:9d} {r.barriers:4d} "
+            f"{'-' if r.matrix_instructions is None else r.matrix_instructions:>5} "
             f"{r.group_size:6d} {occ:>22s}  {r.limiter}")
     return "\n".join(lines)
 
