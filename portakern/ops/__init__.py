@@ -187,6 +187,10 @@ register_op(rmsnorm.SPEC)
 from . import attention_backward  # noqa: E402
 
 register_op(attention_backward.SPEC)
+# --- paged decode attention (issue 29), the same way --------------------------------------
+from . import paged_attention  # noqa: E402
+
+register_op(paged_attention.SPEC)
 
 __all__ = ["ENTRY_POINT_GROUP", "OPS", "get_op", "load_plugins", "plugin_errors", "register_op",
            "unregister_op"]

@@ -1,0 +1,363 @@
+/* Paged decode attention (vLLM's PagedAttention layout) with split-K (flash-decoding).
+ *
+ * Layouts (contiguous): Q (B, Hq, Sq, DQ); KC (NB, Hkv, BS, DQ) and VC (NB, Hkv, BS, DV), the
+ * page pool; BT (B, MB) int block table; SL (B,) int, tokens in the cache per sequence (the Sq
+ * new ones included); O (B, Hq, Sq, DV). Token t of sequence b sits in page BT[b][t / BS] at
+ * slot t % BS. Query i of sequence b sits at position SL[b] - Sq + i and attends positions
+ * <= its own (causal, bottom-right aligned), further bounded by the window (AT_WIN).
+ *
+ * One work-group = one (split, sequence, kv head, block of RB query rows). Its rows are the
+ * G = Hq / Hkv query heads sharing the kv head times the Sq queries (grouped-query packing):
+ * each K/V page is read once for all of them. The split s covers pages [s*pps, (s+1)*pps).
+ * PA_SPLIT = 0: one split, the group writes O. PA_SPLIT = 1: the group writes its partial
+ * (max PM, sum PL, unnormalised accumulator PA) and paged_attention_combine merges the splits
+ * in a fixed order (split 0 first): deterministic, whatever order groups ran in.
+ *
+ * Never an out-of-bounds read, whatever the tables hold (the host refuses bad tables before
+ * launching, paged_attention.check_tables; this is the second line): lengths are clamped to
+ * [0, MB*BS], a block id to [0, NB), and only pages below the length are touched.
+ *
+ * Non-finite values, as attention.semantics: scale folded into q; a key whose V row holds a
+ * NaN or an inf makes every row that may attend it NaN (the row's sum becomes NaN; V enters
+ * with those entries zeroed); a NaN or +inf score makes its row NaN through exp(s - m); a row
+ * is dead (writes 0) only when its max is -inf and its sum exactly 0.
+ *
+ * Two paths, one source. CPU schedule (PA_VEC: WG = 1, OpenCL vectors, fp32 compute): the
+ * item keeps its rows' scaled q and accumulators as VEC-wide vectors, streams each page's K
+ * and V rows once with vector loads (fp16 through vload_halfN: one conversion, no copy), and
+ * takes the page in chunks of VEC keys: one max, one rescale and one vector exp per chunk.
+ * GPU schedule (scalar, any WG): tiles of WG keys; item j scores key j for every row into
+ * local memory, items r < RB update row r's max and sum, then every item accumulates its
+ * (row, d) outputs over the tile.
+ */
+#define DQ_ (DQ > 0 ? DQ : 1)
+#define DV_ (DV > 0 ? DV : 1)
+#define PA_VEC (VEC > 1 && PK_HAS_VECTOR && PK_ACC_IS_FLOAT_T && WG == 1 && DQ % VEC == 0 \
+                && DV % VEC == 0 && DQ > 0 && DV > 0)
+#define PA_NAN ((PK_ACC_T)PK_INFINITY - (PK_ACC_T)PK_INFINITY)
+#define PA_FINITE(x) ((x) - (x) == (PK_ACC_T)0)
+#define PA_OPI ((RB * DV_ + WG - 1) / WG) /* outputs per item, scalar path */
+PK_DEVICE_FN int pa_clamp(int x, int hi) { return x < 0 ? 0 : (x > hi ? hi : x); }
+
+#if AT_BIAS
+#define PA_BIAS_AT(brow, kp) PK_LOAD_T(BIAS, (brow) + (kp) * bs3)
+#else
+#define PA_BIAS_AT(brow, kp) ((PK_ACC_T)0)
+#endif
+#define PA_SCORE(s, brow, qp, kp, slope) \
+    (AT_MOD ? at_modify((s), PA_BIAS_AT(brow, kp), (slope), (qp), (kp), cap) : (s))
+#define PA_KEEP(qp, kp) ((kp) <= (qp) && (!AT_WIN || at_in_window((qp), (kp), wl, wr)))
+
+#if PA_VEC
+typedef PK_CAT(float, VEC) pa_vt;
+/* VEC consecutive storage elements at p as a float vector */
+#if PA_ST == 1
+#define PA_VLOAD(p) PK_CAT(vload_half, VEC)(0, (p))
+#elif PA_ST == 2
+#define PA_VLOAD(p) PK_CAT(as_float, VEC)(PK_CAT(convert_uint, VEC)( \
+    PK_CAT(vload, VEC)(0, (PK_GLOBAL const unsigned short*)(p))) << 16)
+#else
+#define PA_VLOAD(p) PK_CAT(vload, VEC)(0, (p))
+#endif
+PK_DEVICE_FN float pa_lane_sum(pa_vt v)
+{
+    float* e = (float*)&v;
+    #pragma unroll
+    for (int w = VEC / 2; w >= 1; w /= 2)
+        #pragma unroll
+        for (int i = 0; i < w; ++i) e[i] += e[i + w];
+    return e[0];
+}
+PK_DEVICE_FN float pa_lane_max(pa_vt v)
+{
+    float* e = (float*)&v;
+    #pragma unroll
+    for (int w = VEC / 2; w >= 1; w /= 2)
+        #pragma unroll
+        for (int i = 0; i < w; ++i) e[i] = fmax(e[i], e[i + w]);
+    return e[0];
+}
+#define NQV (DQ / VEC)
+#define NAV (DV / VEC)
+#endif
+
+PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
+                               PK_GLOBAL const PK_T_T* PK_RESTRICT KC,
+                               PK_GLOBAL const PK_T_T* PK_RESTRICT VC,
+                               PK_GLOBAL const int* PK_RESTRICT BT,
+                               PK_GLOBAL const int* PK_RESTRICT SL,
+                               PK_GLOBAL const PK_T_T* PK_RESTRICT BIAS,
+                               PK_GLOBAL const float* PK_RESTRICT SLOPES,
+                               PK_GLOBAL PK_T_T* PK_RESTRICT O,
+                               PK_GLOBAL PK_ACC_T* PK_RESTRICT PM,
+                               PK_GLOBAL PK_ACC_T* PK_RESTRICT PL,
+                               PK_GLOBAL PK_ACC_T* PK_RESTRICT PA,
+                               int Sq, int Hq, int Hkv, int NB, int BS, int MB, int nrb,
+                               int nsplit, int pps, int nrows, PK_ACC_T scale, int wl, int wr,
+                               PK_ACC_T cap, int bs0, int bs1, int bs2, int bs3)
+{
+    const int g = PK_GROUP_ID(0);
+    const int s = g % nsplit;
+    const int rest = g / nsplit;
+    const int rb = rest % nrb;
+    const int bk = rest / nrb;
+    const int b = bk / Hkv;
+    const int kvh = bk - b * Hkv;
+    const int G = Hq / Hkv;
+    const int R = G * Sq; /* rows of this kv head */
+    const int lid = PK_LOCAL_ID(0);
+    const int cap_len = MB * BS;
+    int L = SL[b];
+    L = L < 0 ? 0 : (L > cap_len ? cap_len : L);
+    const int q0pos = L - Sq; /* position of query 0 */
+    /* this split's pages, below the length, and (window) not wholly left of every query */
+    int p_lo = s * pps;
+    const int p_hi = min(p_lo + pps, (L + BS - 1) / BS);
+#if AT_WIN
+    p_lo = max(p_lo, max(0, q0pos - wl) / BS);
+#endif
+    /* row r of the block: query head kvh * G + rr / Sq, query rr % Sq (rr = rb * RB + r) */
+#define PA_ROW_OK(r) (rb * RB + (r) < R)
+#define PA_QH(r) (kvh * G + (rb * RB + (r)) / Sq)
+#define PA_QI(r) ((rb * RB + (r)) % Sq)
+#define PA_OROW(r) ((b * Hq + PA_QH(r)) * Sq + PA_QI(r)) /* output row index */
+#define PA_BROW(r) (b * bs0 + PA_QH(r) * bs1 + PA_QI(r) * bs2)
+#define PA_BLOCK(pg) pa_clamp(BT[b * MB + (pg)], NB - 1)
+
+#if PA_VEC
+    pa_vt qv[RB][NQV];
+    pa_vt acc[RB][NAV];
+    float m[RB], l[RB], slope[RB];
+    int qpos[RB], brow[RB], poison[RB];
+    #pragma unroll
+    for (int r = 0; r < RB; ++r) {
+        const int ok = PA_ROW_OK(r);
+        const int qrow = ok ? PA_OROW(r) : 0;
+        #pragma unroll
+        for (int c = 0; c < NQV; ++c)
+            qv[r][c] = ok ? PA_VLOAD(Q + qrow * DQ + c * VEC) * (pa_vt)(scale) : (pa_vt)(0.0f);
+        #pragma unroll
+        for (int c = 0; c < NAV; ++c) acc[r][c] = (pa_vt)(0.0f);
+        m[r] = -PK_INFINITY;
+        l[r] = 0.0f;
+        qpos[r] = ok ? q0pos + PA_QI(r) : -1; /* a row past R keeps no key */
+        brow[r] = ok ? PA_BROW(r) : 0;
+        poison[r] = 0;
+#if AT_ALIBI
+        slope[r] = ok ? SLOPES[PA_QH(r)] : 0.0f;
+#else
+        slope[r] = 0.0f;
+#endif
+    }
+    for (int pg = p_lo; pg < p_hi; ++pg) {
+        const int blk = PA_BLOCK(pg);
+        const PK_GLOBAL PK_T_T* kp = KC + ((blk * Hkv + kvh) * BS) * DQ;
+        const PK_GLOBAL PK_T_T* vp = VC + ((blk * Hkv + kvh) * BS) * DV;
+        const int nkeys = min(BS, L - pg * BS); /* >= 1 */
+        for (int t0 = 0; t0 < nkeys; t0 += VEC) {
+            const int nk = min(VEC, nkeys - t0);
+            pa_vt sv[RB];
+            #pragma unroll
+            for (int r = 0; r < RB; ++r) sv[r] = (pa_vt)(-PK_INFINITY);
+            for (int j = 0; j < nk; ++j) {
+                const int kpos = pg * BS + t0 + j;
+                pa_vt kr[NQV];
+                #pragma unroll
+                for (int c = 0; c < NQV; ++c) kr[c] = PA_VLOAD(kp + (t0 + j) * DQ + c * VEC);
+                #pragma unroll
+                for (int r = 0; r < RB; ++r) {
+                    pa_vt part = qv[r][0] * kr[0];
+                    #pragma unroll
+                    for (int c = 1; c < NQV; ++c) part = fma(qv[r][c], kr[c], part);
+                    const float dot = pa_lane_sum(part);
+                    if (PA_KEEP(qpos[r], kpos))
+                        ((float*)&sv[r])[j] = PA_SCORE(dot, brow[r], qpos[r], kpos, slope[r]);
+                }
+            }
+            /* per row: the chunk's max, one rescale, the chunk's weights */
+            float p[RB][VEC];
+            #pragma unroll
+            for (int r = 0; r < RB; ++r) {
+                const float mn = fmax(m[r], pa_lane_max(sv[r]));
+                const float shift = (mn == -PK_INFINITY) ? 0.0f : mn;
+                const float corr = exp(m[r] - shift); /* m = -inf: 0 */
+                const pa_vt e = PK_VEXP(sv[r] - (pa_vt)(shift));
+                l[r] = l[r] * corr + pa_lane_sum(e);
+                m[r] = mn;
+                #pragma unroll
+                for (int c = 0; c < NAV; ++c) acc[r][c] *= (pa_vt)(corr);
+                PK_CAT(vstore, VEC)(e, 0, &p[r][0]);
+            }
+            for (int j = 0; j < nk; ++j) {
+                const int kpos = pg * BS + t0 + j;
+                pa_vt vr[NAV];
+                pa_vt bad = (pa_vt)(0.0f);
+                #pragma unroll
+                for (int c = 0; c < NAV; ++c) {
+                    vr[c] = PA_VLOAD(vp + (t0 + j) * DV + c * VEC);
+                    bad += vr[c] - vr[c]; /* 0, or NaN where an entry is NaN or +-inf */
+                }
+                if (!all(isequal(bad, (pa_vt)(0.0f)))) { /* rare: zero them, poison rows */
+                    #pragma unroll
+                    for (int c = 0; c < NAV; ++c)
+                        vr[c] = select((pa_vt)(0.0f), vr[c],
+                                       isequal(vr[c] - vr[c], (pa_vt)(0.0f)));
+                    #pragma unroll
+                    for (int r = 0; r < RB; ++r) poison[r] |= PA_KEEP(qpos[r], kpos);
+                }
+                #pragma unroll
+                for (int r = 0; r < RB; ++r) {
+                    const pa_vt w = (pa_vt)(p[r][j]);
+                    #pragma unroll
+                    for (int c = 0; c < NAV; ++c) acc[r][c] = fma(w, vr[c], acc[r][c]);
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < RB; ++r) {
+        if (!PA_ROW_OK(r)) continue;
+        const int orow = PA_OROW(r);
+        const float lr = poison[r] ? PA_NAN : l[r]; /* a kept key's bad V row: NaN row */
+#if PA_SPLIT
+        PM[s * nrows + orow] = m[r];
+        PL[s * nrows + orow] = lr;
+        for (int c = 0; c < NAV; ++c)
+            PK_CAT(vstore, VEC)(acc[r][c], 0, PA + (s * nrows + orow) * DV + c * VEC);
+#else
+        for (int c = 0; c < NAV; ++c) {
+            const pa_vt o = (lr == 0.0f) ? (pa_vt)(0.0f) : acc[r][c] / (pa_vt)(lr);
+            for (int i = 0; i < VEC; ++i) PK_STORE_T(O, orow * DV + c * VEC + i, ((float*)&o)[i]);
+        }
+#endif
+    }
+#else /* scalar path */
+    PK_LOCAL PK_ACC_T Qs[RB][DQ_]; /* scaled queries */
+    PK_LOCAL PK_ACC_T Ss[RB][WG];  /* a tile's scores, then weights */
+    PK_LOCAL PK_ACC_T Ms[RB], Ls[RB], Cs[RB];
+    PK_ACC_T acc[PA_OPI];
+    #pragma unroll
+    for (int t = 0; t < PA_OPI; ++t) acc[t] = (PK_ACC_T)0;
+    for (int idx = lid; idx < RB * DQ; idx += WG) {
+        const int r = idx / DQ_, d = idx - (idx / DQ_) * DQ_;
+        Qs[r][d] = PA_ROW_OK(r) ? PK_LOAD_T(Q, PA_OROW(r) * DQ + d) * scale : (PK_ACC_T)0;
+    }
+    for (int r = lid; r < RB; r += WG) {
+        Ms[r] = -PK_INFINITY;
+        Ls[r] = (PK_ACC_T)0;
+        Cs[r] = (PK_ACC_T)0;
+    }
+    PK_BARRIER();
+    const int k_lo = p_lo * BS;
+    const int k_hi = min(p_hi * BS, L);
+    for (int k0 = k_lo; k0 < k_hi; k0 += WG) {
+        const int kpos = k0 + lid;
+        if (kpos < k_hi) {
+            const int pg = kpos / BS;
+            const int slot = kpos - pg * BS;
+            const int row = (PA_BLOCK(pg) * Hkv + kvh) * BS + slot;
+            int vbad = 0;
+            for (int d = 0; d < DV; ++d) vbad |= !PA_FINITE(PK_LOAD_T(VC, row * DV + d));
+            for (int r = 0; r < RB; ++r) {
+                const int qp = q0pos + PA_QI(r);
+                PK_ACC_T sc = -PK_INFINITY;
+                if (PA_ROW_OK(r) && PA_KEEP(qp, kpos)) {
+                    PK_ACC_T dot = (PK_ACC_T)0;
+                    for (int d = 0; d < DQ; ++d) dot += Qs[r][d] * PK_LOAD_T(KC, row * DQ + d);
+#if AT_ALIBI
+                    const PK_ACC_T slope = (PK_ACC_T)SLOPES[PA_QH(r)];
+#else
+                    const PK_ACC_T slope = (PK_ACC_T)0;
+#endif
+                    sc = vbad ? PA_NAN : PA_SCORE(dot, PA_BROW(r), qp, kpos, slope);
+                }
+                Ss[r][lid] = sc;
+            }
+        } else {
+            for (int r = 0; r < RB; ++r) Ss[r][lid] = -PK_INFINITY;
+        }
+        PK_BARRIER();
+        for (int r = lid; r < RB; r += WG) {
+            PK_ACC_T mt = -PK_INFINITY;
+            for (int j = 0; j < WG; ++j) mt = fmax(mt, Ss[r][j]);
+            const PK_ACC_T mn = fmax(Ms[r], mt);
+            const PK_ACC_T shift = (mn == -PK_INFINITY) ? (PK_ACC_T)0 : mn;
+            PK_ACC_T sum = (PK_ACC_T)0;
+            for (int j = 0; j < WG; ++j) {
+                const PK_ACC_T e = exp(Ss[r][j] - shift);
+                Ss[r][j] = e;
+                sum += e;
+            }
+            Cs[r] = exp(Ms[r] - shift);
+            Ls[r] = Ls[r] * Cs[r] + sum;
+            Ms[r] = mn;
+        }
+        PK_BARRIER();
+        const int nk = min(WG, k_hi - k0);
+        #pragma unroll
+        for (int t = 0; t < PA_OPI; ++t) {
+            const int o = lid + t * WG;
+            if (o < RB * DV) {
+                const int r = o / DV_, d = o - (o / DV_) * DV_;
+                PK_ACC_T a = acc[t] * Cs[r];
+                for (int j = 0; j < nk; ++j) {
+                    const int kp = k0 + j;
+                    const int pg = kp / BS;
+                    const int row = (PA_BLOCK(pg) * Hkv + kvh) * BS + (kp - pg * BS);
+                    const PK_ACC_T x = PK_LOAD_T(VC, row * DV + d);
+                    a += Ss[r][j] * (PA_FINITE(x) ? x : (PK_ACC_T)0);
+                }
+                acc[t] = a;
+            }
+        }
+        PK_BARRIER();
+    }
+#if PA_SPLIT
+    for (int r = lid; r < RB; r += WG) {
+        if (PA_ROW_OK(r)) {
+            PM[s * nrows + PA_OROW(r)] = Ms[r];
+            PL[s * nrows + PA_OROW(r)] = Ls[r];
+        }
+    }
+#endif
+    #pragma unroll
+    for (int t = 0; t < PA_OPI; ++t) {
+        const int o = lid + t * WG;
+        if (o < RB * DV) {
+            const int r = o / DV_, d = o - (o / DV_) * DV_;
+            if (PA_ROW_OK(r)) {
+#if PA_SPLIT
+                PA[(s * nrows + PA_OROW(r)) * DV + d] = acc[t];
+#else
+                const PK_ACC_T lr = Ls[r];
+                PK_STORE_T(O, PA_OROW(r) * DV + d, (lr == (PK_ACC_T)0) ? (PK_ACC_T)0 : acc[t] / lr);
+#endif
+            }
+        }
+    }
+#endif
+}
+
+/* O[row][d] from the splits' partials, in split order: M = max_s PM, weights exp(PM - M)
+ * (a split that kept no key, PM = -inf, weighs 0), L = sum PL w, O = sum PA w / L, 0 when
+ * L = 0 (a dead row). NaN in a split's PL (a NaN score, a bad V row) makes the row NaN. */
+PK_KERNEL void paged_attention_combine(PK_GLOBAL const PK_ACC_T* PK_RESTRICT PM,
+                                       PK_GLOBAL const PK_ACC_T* PK_RESTRICT PL,
+                                       PK_GLOBAL const PK_ACC_T* PK_RESTRICT PA,
+                                       PK_GLOBAL PK_T_T* PK_RESTRICT O, int nrows, int nsplit)
+{
+    const int gid = PK_GROUP_ID(0) * PK_LOCAL_SIZE(0) + PK_LOCAL_ID(0);
+    if (gid >= nrows * DV) return;
+    const int row = gid / DV_;
+    const int d = gid - row * DV_;
+    PK_ACC_T mx = -PK_INFINITY;
+    for (int s = 0; s < nsplit; ++s) mx = fmax(mx, PM[s * nrows + row]);
+    const PK_ACC_T shift = (mx == -PK_INFINITY) ? (PK_ACC_T)0 : mx;
+    PK_ACC_T lt = (PK_ACC_T)0, a = (PK_ACC_T)0;
+    for (int s = 0; s < nsplit; ++s) {
+        const PK_ACC_T w = exp(PM[s * nrows + row] - shift);
+        lt += PL[s * nrows + row] * w;
+        a += PA[(s * nrows + row) * DV + d] * w;
+    }
+    PK_STORE_T(O, row * DV + d, (lt == (PK_ACC_T)0) ? (PK_ACC_T)0 : a / lt);
+}

@@ -1,0 +1,522 @@
+"""paged_attention(q, k_cache, v_cache, block_table, seq_lens, ...): decode attention over a
+paged KV cache (vLLM's PagedAttention layout), split-K when the context is long.
+
+Shapes: q (B, Hq, Sq, D), Sq >= 1 new tokens per sequence; k_cache (NB, Hkv, BS, D) and
+v_cache (NB, Hkv, BS, Dv), a pool of NB pages of BS tokens; block_table (B, MB) int32, row b
+the pages of sequence b in order (token t in page block_table[b, t // BS], slot t % BS);
+seq_lens (B,) int32, the tokens in the cache per sequence, the Sq new ones included. Output
+(B, Hq, Sq, Dv). Query i of sequence b sits at position seq_lens[b] - Sq + i and attends
+cache positions <= its own: causal, aligned bottom-right (decode, speculative decode).
+window / softcap / alibi_slopes as in ``attention``, in those positions; bias broadcasts to
+(B, Hq, Sq, MB * BS) and is indexed by cache position (entries past a sequence's length are
+never read). GQA: Hkv divides Hq.
+
+Why its own op rather than a gather before ``attention``: the gather would copy the whole
+cache per step; here every page is read in place, once per kv head for all the query heads
+that share it, which is what bounds decode (memory traffic, not flops).
+
+Semantics (the oracle): gather each sequence's pages, then ``attention.semantics`` with the
+bottom-right causal/window keep matrix as its mask and ALiBi's term folded into its bias
+(``attention_math.keep_matrix`` / ``modify_scores`` with ``q_offset``): the same non-finite
+rules, one formula. The tolerance and the statistical model are attention's, of that same
+gathered call (plus the one rounding folding ALiBi hides).
+
+Table values are checked on the host before any device work (``check_tables``, called by
+``pk.paged_attention``): validation sees shapes only. Whatever the tables hold, the kernel
+never reads out of bounds (lengths clamped to [0, MB*BS], block ids to [0, NB)) and the
+semantics clamp alike, so even an unchecked call (``pk.call``, or traced values under
+``jax.jit``) is defined and agrees across backends.
+
+Split-K (flash-decoding): ``splits`` picks the number of key splits from the groups the
+call already has (B * Hkv * row blocks) against the schedule's target parallelism (PAR;
+CPU: twice the host's cores), splitting only contexts of at least MIN_SPLIT_KEYS keys per
+split; ``SPLIT`` > 0 forces a count (1 = unsplit). Split s owns pages [s*pps, (s+1)*pps);
+each writes (max, sum, accumulator) to workspaces and ``paged_attention_combine`` merges them
+in split order: deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..core import dtypes
+from ..core.dtypes import dtype_name
+from ..core.errors import InvalidArgumentError, PortakernError, ShapeError
+from ..core.sampling import Case, Chooser, normal
+from ..core.spec import (
+    MAX_INDEX,
+    ArrayMeta,
+    Buf,
+    Cost,
+    KernelSpec,
+    Launch,
+    Operand,
+    Problem,
+    Scalar,
+    Tunable,
+)
+from . import attention
+from ._common import broadcast_strides, cdiv, kernel_source, need_rank
+from .attention_math import keep_matrix, modify_scores
+
+MIN_SPLIT_KEYS = 256  # fewer keys per split would cost more in partials than it gains
+COMBINE_WG = 64
+LAYOUT = {"q": "(B, Hq, Sq, D)", "k_cache": "(num_blocks, Hkv, block_size, D)",
+          "v_cache": "(num_blocks, Hkv, block_size, Dv)", "block_table": "(B, max_blocks)",
+          "seq_lens": "(B,)"}
+
+
+# --- semantics ----------------------------------------------------------------------------
+def gather(xp: Any, cache: Any, block_table: Any) -> Any:
+    """(NB, H, BS, X) pages -> (B, H, MB * BS, X): each sequence's pages in table order. Block
+    ids are clamped to [0, NB), as the kernel clamps them (an unused entry may hold anything)."""
+    nb, h, bs, x = cache.shape
+    b, mb = block_table.shape
+    ids = xp.clip(block_table, 0, max(nb - 1, 0))
+    g = xp.take(cache, xp.reshape(ids, (-1,)), axis=0)
+    g = xp.transpose(xp.reshape(g, (b, mb, h, bs, x)), (0, 2, 1, 3, 4))
+    return xp.reshape(g, (b, h, mb * bs, x))
+
+
+def positions(xp: Any, seq_lens: Any, sq: int, capacity: int) -> Any:
+    """The position of query 0 per sequence, (B, 1, 1, 1): seq_len - Sq, the length clamped to
+    [0, capacity] as the kernel clamps it."""
+    lens = xp.clip(seq_lens, 0, capacity)
+    return xp.reshape(lens - sq, (-1, 1, 1, 1))
+
+
+def keep_and_bias(xp: Any, sq: int, capacity: int, seq_lens: Any, window: Any, bias: Any,
+                  alibi_slopes: Any, dtype: Any) -> tuple[Any, Any]:
+    """(keep (B, 1, Sq, cap), the additive bias with ALiBi folded in, or None): the paged
+    positions (bottom-right) through attention_math's one formula for each."""
+    off = positions(xp, seq_lens, sq, capacity)
+    keep = keep_matrix(xp, sq, capacity, True, None, window, off)
+    if alibi_slopes is not None:
+        base = xp.zeros((1, 1, sq, capacity), dtype=dtype)
+        if bias is not None:
+            base = base + bias
+        bias = modify_scores(xp, base, None, alibi_slopes, None, off)
+    return keep, bias
+
+
+def semantics(xp: Any, q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any,
+              bias: Any = None, alibi_slopes: Any = None, scale: float | None = None,
+              softcap: float | None = None, window: tuple[int, int | None] | None = None
+              ) -> Any:
+    """Gather the pages, then attention's semantics with the paged (bottom-right) keep
+    matrix as its mask and ALiBi folded into its bias."""
+    sq = q.shape[2]
+    capacity = block_table.shape[1] * k_cache.shape[2]
+    k = gather(xp, k_cache, block_table)
+    v = gather(xp, v_cache, block_table)
+    keep, total = keep_and_bias(xp, sq, capacity, seq_lens, window, bias, alibi_slopes, q.dtype)
+    return attention.semantics(xp, q, k, v, mask=keep, bias=total, scale=scale,
+                               softcap=softcap)
+
+
+# --- validation ---------------------------------------------------------------------------
+def _param(fn: Any, value: object) -> Any:
+    """attention's parameter checks, their errors naming this op."""
+    try:
+        return fn(value)
+    except PortakernError as exc:
+        raise type(exc)(str(exc).replace("attention:", "paged_attention:", 1)) from None
+
+
+def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
+    q, kc, vc, bt, sl = (m[n] for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens"))
+    bias, slopes = m.get("bias"), m.get("alibi_slopes")
+    assert q is not None and kc is not None and vc is not None and bt is not None
+    assert sl is not None
+    for name, meta, rank in (("q", q, 4), ("k_cache", kc, 4), ("v_cache", vc, 4),
+                             ("block_table", bt, 2), ("seq_lens", sl, 1)):
+        need_rank("paged_attention", name, meta.shape, rank=rank, layout=LAYOUT[name])
+    B, Hq, Sq, D = q.shape
+    NB, Hkv, BS, Dk = kc.shape
+    NBv, Hv, BSv, Dv = vc.shape
+    Bt, MB = bt.shape
+    if Dk != D:
+        raise ShapeError(f"paged_attention: k_cache head dim {Dk} differs from q's {D}; "
+                         f"expected k_cache {LAYOUT['k_cache']} with q's D.")
+    if (NBv, Hv, BSv) != (NB, Hkv, BS):
+        raise ShapeError(f"paged_attention: v_cache {vc.shape} must match k_cache {kc.shape} "
+                         f"in blocks, heads and block size; expected v_cache {LAYOUT['v_cache']}.")
+    if Bt != B or sl.shape[0] != B:
+        raise ShapeError(f"paged_attention: block_table {bt.shape} and seq_lens {sl.shape} "
+                         f"must have one row per sequence of q {q.shape} (B = {B}); expected "
+                         f"block_table (B, max_blocks) and seq_lens (B,).")
+    if Hkv == 0 or Hq % Hkv:
+        raise ShapeError(f"paged_attention: query heads Hq={Hq} must be a multiple of the "
+                         f"cache's kv heads Hkv={Hkv}; got q {q.shape}, k_cache {kc.shape}.")
+    if B * Sq > 0 and (BS == 0 or NB == 0 or MB == 0):
+        raise ShapeError(f"paged_attention: a call with queries needs pages: got k_cache "
+                         f"{kc.shape} and block_table {bt.shape}; expected num_blocks, "
+                         "block_size and max_blocks >= 1.")
+    params["scale"] = _param(lambda v: attention._scale(v, D), params.get("scale"))
+    params["window"] = _param(attention._window, params.get("window"))
+    params["softcap"] = _param(attention._softcap, params.get("softcap"))
+    cap = MB * BS
+    bstr = [0, 0, 0, 0]
+    if bias is not None:
+        target = (B, Hq, Sq, cap)
+        try:
+            ok = len(bias.shape) <= 4 and tuple(np.broadcast_shapes(bias.shape, target)) == target
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ShapeError(f"paged_attention: bias of shape {bias.shape} does not broadcast "
+                             f"to (B, Hq, Sq, max_blocks * block_size) = {target}; its last "
+                             "axis is the cache position.")
+        bstr = broadcast_strides(bias.shape, target, 1)
+    if slopes is not None and tuple(slopes.shape) != (Hq,):
+        raise ShapeError(f"paged_attention: alibi_slopes has shape {tuple(slopes.shape)}; "
+                         f"expected (Hq,) = ({Hq},), one float32 slope per query head.")
+    out = (B, Hq, Sq, Dv)
+    return Problem("paged_attention", dtype_name(q.dtype),
+                   {"q": q.shape, "k_cache": kc.shape, "v_cache": vc.shape,
+                    "block_table": bt.shape, "seq_lens": sl.shape,
+                    "bias": None if bias is None else bias.shape,
+                    "alibi_slopes": None if slopes is None else slopes.shape}, params, out,
+                   derived={"B": B, "Hq": Hq, "Hkv": Hkv, "Sq": Sq, "D": D, "Dv": Dv,
+                            "NB": NB, "BS": BS, "MB": MB, "bias_strides": bstr},
+                   empty_result=0 in out)
+
+
+def host_table(x: Any) -> np.ndarray | None:
+    """A host copy of an int table for ``check_tables``: numpy as is; device arrays (pyopencl,
+    CuPy: ``.get()``; jax: ``np.asarray``) copied, which costs one small download per call
+    (B + B * max_blocks ints). None where the values are unknown (a jax tracer under jit)."""
+    if isinstance(x, np.ndarray):
+        return x
+    mod = type(x).__module__ or ""
+    try:
+        if mod.startswith(("pyopencl", "cupy")):
+            return np.asarray(x.get())
+        return np.asarray(x)
+    except Exception:  # traced (jax.jit): nothing to check now; the kernel clamps
+        return None
+
+
+def check_tables(block_table: Any, seq_lens: Any, num_blocks: int, block_size: int,
+                 sq: int) -> None:
+    """Refuse bad table values before any device work, naming the first bad entry:
+    Sq <= seq_lens[b] <= max_blocks * block_size, and every block a sequence uses
+    (block_table[b, :ceil(seq_lens[b] / block_size)]) in [0, num_blocks). Entries past a
+    sequence's pages are never read and may hold anything (vLLM pads with -1 or 0).
+    Malformed tables (rank, dtype, lengths) are left to validation, which names them."""
+    bt, sl = host_table(block_table), host_table(seq_lens)
+    if bt is None or sl is None or bt.ndim != 2 or sl.ndim != 1 or sl.shape[0] != bt.shape[0] \
+            or bt.dtype != np.int32 or sl.dtype != np.int32:
+        return
+    mb = bt.shape[1]
+    hi = mb * block_size
+    bad = np.flatnonzero((sl < sq) | (sl > hi))
+    if bad.size:
+        b = int(bad[0])
+        raise InvalidArgumentError(
+            f"paged_attention: seq_lens[{b}] = {int(sl[b])} is outside [Sq, max_blocks * "
+            f"block_size] = [{sq}, {hi}]; a sequence holds its Sq = {sq} new tokens and at most "
+            f"its {mb} blocks of {block_size}. Fix: append the new tokens' keys and values "
+            "to the cache first and count them in seq_lens, or give block_table more columns.")
+    used = (sl.astype(np.int64) + block_size - 1) // block_size
+    col = np.arange(mb)[None, :]
+    wrong = (col < used[:, None]) & ((bt < 0) | (bt >= num_blocks))
+    if wrong.any():
+        b, j = (int(i) for i in np.argwhere(wrong)[0])
+        raise InvalidArgumentError(
+            f"paged_attention: block_table[{b}, {j}] = {int(bt[b, j])} is outside [0, "
+            f"{num_blocks}) (num_blocks of the cache); sequence {b} has seq_lens[{b}] = "
+            f"{int(sl[b])} tokens in its first {int(used[b])} blocks. Fix: point every used "
+            "entry at a page of k_cache/v_cache (entries past them are never read).")
+
+
+# --- schedule: rows per group, splits -----------------------------------------------------
+def rows_per_group(p: Problem, cfg: Mapping[str, int]) -> int:
+    """RB, compile-time: the schedule's, or fewer when the kv head has fewer rows (G * Sq,
+    rounded up to a power of two so few distinct kernels are compiled)."""
+    r = max(1, p.derived["Hq"] // max(p.derived["Hkv"], 1) * p.derived["Sq"])
+    return min(cfg["RB"], 1 << (r - 1).bit_length())
+
+
+def host_cores() -> int:
+    """Cores this process may use: a CPU device (PoCL, Intel's runtime) runs on them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def splits(p: Problem, cfg: Mapping[str, int]) -> tuple[int, int]:
+    """(number of splits, pages per split). SPLIT > 0 forces the count (capped at the pages);
+    SPLIT = 0: split while the call's groups fall short of the target parallelism (PAR, 0:
+    twice the host's cores), keeping at least MIN_SPLIT_KEYS keys per split."""
+    d = p.derived
+    mb = max(d["MB"], 1)
+    r = d["Hq"] // max(d["Hkv"], 1) * d["Sq"]
+    groups = d["B"] * d["Hkv"] * cdiv(max(r, 1), rows_per_group(p, cfg))
+    ns = cfg["SPLIT"]
+    if ns == 0:
+        target = cfg["PAR"] or 2 * host_cores()
+        ns = 1
+        if groups < target:
+            ns = min(cdiv(target, max(groups, 1)), max(1, mb * d["BS"] // MIN_SPLIT_KEYS))
+    ns = max(1, min(ns, mb))
+    rows = d["B"] * d["Hq"] * d["Sq"]
+    while ns > 1 and ns * rows * max(d["Dv"], 1) > MAX_INDEX:
+        ns //= 2
+    pps = cdiv(mb, ns)
+    return cdiv(mb, pps), pps
+
+
+def _store_kind(dtype: str) -> int:
+    return {"float16": 1, "bfloat16": 2}.get(dtype, 0)
+
+
+def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
+    return {"WG": cfg["WG"], "VEC": cfg["VEC"], "RB": rows_per_group(p, cfg),
+            "DQ": p.derived["D"], "DV": p.derived["Dv"], "PA_ST": _store_kind(p.dtype),
+            "PA_SPLIT": int(splits(p, cfg)[0] > 1),
+            "AT_BIAS": int(p.shapes.get("bias") is not None),
+            "AT_ALIBI": int(p.shapes.get("alibi_slopes") is not None),
+            "AT_CAP": int(p.params.get("softcap") is not None),
+            "AT_WIN": int(p.params.get("window") is not None)}
+
+
+def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
+    ns, _ = splits(p, cfg)
+    if ns == 1:
+        return {}
+    d = p.derived
+    rows = d["B"] * d["Hq"] * d["Sq"]
+    acc = dtypes.compute_dtype_name(p.dtype)
+    return {"pm": (ns * rows, acc), "pl": (ns * rows, acc), "pa": (ns * rows * d["Dv"], acc)}
+
+
+def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
+    d = p.derived
+    ns, pps = splits(p, cfg)
+    rb = rows_per_group(p, cfg)
+    nrb = cdiv(d["Hq"] // d["Hkv"] * d["Sq"], rb)
+    rows = d["B"] * d["Hq"] * d["Sq"]
+    cap = d["MB"] * d["BS"]
+    window = p.params.get("window")
+    left, right = window if window is not None else (0, None)
+    bs = d["bias_strides"]
+    split = ns > 1
+    ws = ("pm", "pl", "pa") if split else ("out", "out", "out")  # unwritten when unsplit
+    args = (Buf("q"), Buf("k_cache"), Buf("v_cache"), Buf("block_table"), Buf("seq_lens"),
+            Buf("bias" if p.shapes.get("bias") is not None else "q"),
+            Buf("alibi_slopes" if p.shapes.get("alibi_slopes") is not None else "q"),
+            Buf("out"), *(Buf(n) for n in ws),
+            Scalar(d["Sq"]), Scalar(d["Hq"]), Scalar(d["Hkv"]), Scalar(d["NB"]),
+            Scalar(d["BS"]), Scalar(d["MB"]), Scalar(nrb), Scalar(ns), Scalar(pps),
+            Scalar(rows), Scalar(p.params["scale"], "acc"), Scalar(min(left, cap)),
+            Scalar(cap if right is None else min(right, cap)),
+            Scalar(p.params.get("softcap") or 1.0, "acc"),
+            Scalar(bs[0]), Scalar(bs[1]), Scalar(bs[2]), Scalar(bs[3]))
+    out = [Launch("paged_attention", (d["B"] * d["Hkv"] * nrb * ns, 1, 1), (cfg["WG"], 1, 1),
+                  args)]
+    if split:
+        out.append(Launch("paged_attention_combine", (cdiv(rows * d["Dv"], COMBINE_WG), 1, 1),
+                          (COMBINE_WG, 1, 1), (Buf("pm"), Buf("pl"), Buf("pa"), Buf("out"),
+                                               Scalar(rows), Scalar(ns))))
+    return out
+
+
+def cost(p: Problem) -> Cost:
+    """Compulsory traffic with every sequence at its table's capacity (MB * BS tokens: the
+    values of seq_lens are not known here): q, the K/V pages once per kv head, the output."""
+    d = p.derived
+    cap = d["MB"] * d["BS"]
+    isz = p.info.storage.itemsize
+    pairs = attention.attended_pairs(d["Sq"], cap, True, p.params.get("window"), cap - d["Sq"])
+    bh = d["B"] * d["Hq"]
+    width = d["D"] + d["Dv"]
+    nbytes = isz * (bh * d["Sq"] * width + d["B"] * d["Hkv"] * cap * width)
+    return Cost(flops=2.0 * bh * pairs * (d["D"] + d["Dv"]), bytes=float(nbytes))
+
+
+# --- error model: attention's, of the gathered call ---------------------------------------
+def as_attention(p: Problem, x: Mapping[str, np.ndarray]
+                 ) -> tuple[Problem, dict[str, np.ndarray], np.ndarray]:
+    """The gathered call as ``attention`` sees it, on float64 inputs: its problem, its inputs
+    (mask = the paged keep matrix, bias = bias + ALiBi) cut to the longest sequence, and
+    ALiBi's extra rounding per row (folding it into the bias hides one: the kernel rounds
+    s + bias, then subtracts slope * |i - j|), bounded by u (2 |slope d| + |s| + |bias|)."""
+    d = p.derived
+    sq, cap = d["Sq"], d["MB"] * d["BS"]
+    lens = np.clip(x["seq_lens"].astype(np.int64), 0, cap)
+    sk = max(1, int(lens.max()) if lens.size else 1)
+    k = gather(np, x["k_cache"], x["block_table"])[:, :, :sk]
+    v = gather(np, x["v_cache"], x["block_table"])[:, :, :sk]
+    bias, slopes = x.get("bias"), x.get("alibi_slopes")
+    if bias is not None:
+        bias = np.broadcast_to(bias, (d["B"], d["Hq"], sq, cap))[..., :sk]
+    keep, total = keep_and_bias(np, sq, sk, lens.astype(np.int32), p.params.get("window"),
+                                bias, slopes, np.float64)
+    keep = np.broadcast_to(keep, (d["B"], 1, sq, sk))
+    xa: dict[str, np.ndarray] = {"q": x["q"], "k": k, "v": v, "mask": keep}
+    if total is not None:
+        xa["bias"] = total
+    metas = {n: ArrayMeta(a.shape, p.dtype) for n, a in xa.items()}
+    metas["mask"] = ArrayMeta(keep.shape, "bool")
+    metas.setdefault("bias", None)
+    params = {"causal": False, "scale": p.params["scale"], "return_lse": False,
+              "window": None, "softcap": p.params.get("softcap")}
+    pa = attention.validate(metas, params)
+    extra = np.zeros((d["B"], d["Hq"], sq, 1))
+    if slopes is not None:
+        u = attention.u_of(p)
+        g = d["Hq"] // d["Hkv"]
+        with np.errstate(all="ignore"):
+            s = np.matmul(x["q"] * p.params["scale"], np.swapaxes(np.repeat(k, g, 1), -1, -2))
+            fin = np.where(np.isfinite(s), np.abs(s), 0.0) + np.where(
+                np.isfinite(total), np.abs(total), 0.0)
+            fin = fin + 2.0 * np.abs(slopes.reshape(1, -1, 1, 1)) * float(cap)
+            extra = u * np.where(keep, fin, 0.0).max(axis=-1, keepdims=True)
+    return pa, xa, extra
+
+
+def _vmax(xa: Mapping[str, np.ndarray], g: int) -> np.ndarray:
+    """max |v| over each sequence's attended keys, (B, Hq, 1, Dv): bounds sum_j p_j |v_j|."""
+    v = np.repeat(np.where(np.isfinite(xa["v"]), np.abs(xa["v"]), 0.0), g, axis=1)
+    keep = xa["mask"].any(axis=2)[..., None]  # (B, 1, Sk, 1)
+    return np.where(keep, v, 0.0).max(axis=2, keepdims=True) if v.shape[2] else \
+        np.zeros(v.shape[:2] + (1, v.shape[3]))
+
+
+def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarray:
+    """attention's worst-case bound of the gathered call (attention._bounds), plus ALiBi's
+    extra rounding: an error e in a score moves the output by at most 2 e sum_j p_j |v_j|."""
+    pa, xa, extra = as_attention(p, x)
+    bound = attention._bounds(pa, xa, ref, None)[0]
+    g = p.derived["Hq"] // p.derived["Hkv"]
+    return bound + 2.0 * extra * _vmax(xa, g)
+
+
+def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
+    """attention's statistical model of the gathered call, ALiBi's extra rounding in the
+    slack."""
+    from ..core.statmodel import StatModel
+
+    pa, xa, extra = as_attention(p, x)
+    sm = attention.statistical(pa, xa, ref)
+    g = p.derived["Hq"] // p.derived["Hkv"]
+    return StatModel(sm.sigma, sm.slack + 2.0 * extra * _vmax(xa, g), sm.group_axes)
+
+
+# --- cases ----------------------------------------------------------------------------------
+def tables(rng: np.random.Generator, ch: Chooser, b: int, mb: int, bs: int, sq: int
+           ) -> tuple[np.ndarray, np.ndarray, int, str]:
+    """(block_table, seq_lens, num_blocks, note): ragged lengths in [Sq, MB*BS] (some not a
+    multiple of BS), pages drawn from a shuffled pool (permuted), sometimes shared between
+    sequences (a common prefix), unused entries sometimes garbage (-1, huge)."""
+    lens = rng.integers(sq, mb * bs + 1, size=b)
+    if ch.boolean(0.3):
+        lens[rng.integers(b)] = mb * bs  # a full row
+    nb = b * mb + ch.choice((0, 3))
+    pool = rng.permutation(nb)
+    bt = pool[:b * mb].reshape(b, mb)
+    note = f"lens{lens.tolist()} bs{bs} nb{nb}"
+    if b > 1 and ch.boolean(0.3):
+        share = int(rng.integers(1, mb + 1))
+        bt[1:, :share] = bt[0, :share]
+        note += f" shared{share}"
+    if ch.boolean(0.3):
+        used = -(-lens // bs)
+        for i in range(b):
+            bt[i, used[i]:] = ch.choice((-1, 10**6))
+        note += " padded"
+    return bt.astype(np.int32), lens.astype(np.int32), nb, note
+
+
+def paged_case(ch: Chooser, dtype: str) -> Case:
+    rng = np.random.default_rng(ch.seed())
+    b = ch.choice((1, 2, 3))
+    hkv = ch.choice((1, 2))
+    hq = hkv * ch.choice((1, 2, 4))
+    sq = ch.choice((1, 1, 2, 3))
+    d = ch.choice((16, 32, 8))
+    dv = d if ch.boolean(0.8) else 16
+    bs = ch.choice((16, 4, 5, 1))
+    mb = ch.choice((1, 3, 8, 20))
+    bt, lens, nb, note = tables(rng, ch, b, mb, bs, sq)
+    x = {"q": normal(rng, (b, hq, sq, d), dtype),
+         "k": normal(rng, (nb, hkv, bs, d), dtype), "v": normal(rng, (nb, hkv, bs, dv), dtype)}
+    kind = ch.choice(("plain", "plain", "plain", "nonfinite", "magnitude"))
+    if kind == "nonfinite":
+        note += attention._attention_nonfinite(ch, rng, x)
+    elif kind == "magnitude":
+        x = {n: normal(rng, a.shape, dtype, 1e2) for n, a in x.items()}
+        note += " magnitude"
+    scale = None if ch.boolean(0.7) else ch.choice((0.05, 0.5, 2.0))
+    extra, mods, mod_note = attention._score_mod_case(ch, rng, dtype, b, hq, sq, mb * bs)
+    mods = {k: v for k, v in mods.items() if k in ("window", "softcap")}
+    return Case({"q": x["q"], "k_cache": x["k"], "v_cache": x["v"], "block_table": bt,
+                 "seq_lens": lens, **extra}, {"scale": scale, **mods},
+                (f"B{b} Hq{hq} Hkv{hkv} Sq{sq} D{d} Dv{dv} " + note + mod_note).strip())
+
+
+# --- representative calls -----------------------------------------------------------------
+def example(dtype: str, *, B: int = 1, Hq: int = 32, Hkv: int = 8, Sq: int = 1, D: int = 128,
+            BS: int = 16, MB: int = 256) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A decode step (Llama-3-8B's heads, a 4096-token context in pages of 16)."""
+    nb = B * MB
+    return ({"q": ArrayMeta((B, Hq, Sq, D), dtype), "k_cache": ArrayMeta((nb, Hkv, BS, D), dtype),
+             "v_cache": ArrayMeta((nb, Hkv, BS, D), dtype),
+             "block_table": ArrayMeta((B, MB), "int32"), "seq_lens": ArrayMeta((B,), "int32")},
+            {})
+
+
+def examples(dtype: str) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """Compile checks: the decode step unsplit (B8) and split (B1: few groups), a
+    speculative-decode step with every modifier."""
+    ex1, _ = example(dtype, B=8)
+    ex2, _ = example(dtype, B=1, MB=2048)
+    ex3, _ = example(dtype, B=2, Sq=4)
+    ex3 = {**ex3, "bias": ArrayMeta((1, 32, 4, 256 * 16), dtype),
+           "alibi_slopes": ArrayMeta((32,), "float32")}
+    return [("decode B8", ex1, {}), ("decode B1 32k", ex2, {}),
+            ("spec Sq4 mods", ex3, {"window": 128, "softcap": 50.0})]
+
+
+SPEC = KernelSpec(
+    name="paged_attention",
+    operands=(Operand("q"), Operand("k_cache"), Operand("v_cache"),
+              Operand("block_table", kind="int32"), Operand("seq_lens", kind="int32"),
+              Operand("bias", optional=True),
+              Operand("alibi_slopes", kind="float32", optional=True)),
+    params={"scale": None, "softcap": None, "window": None},
+    validate=validate,
+    semantics=semantics,
+    source=kernel_source("vexp.c", "attention_mods.c", "paged_attention.c"),
+    slots=lambda p: {"T": p.dtype},
+    defines=defines,
+    launches=launches,
+    workspace=workspace,
+    cost=cost,
+    tolerance=tolerance,
+    statistical=statistical,
+    tunables=(Tunable("WG", (1, 32, 64, 128, 256), "work-items per group (keys per tile on "
+                      "the scalar path)"),
+              Tunable("VEC", (1, 4, 8, 16), "vector lanes over D and keys per chunk (CPU "
+                      "path: WG = 1, OpenCL)"),
+              Tunable("RB", (1, 2, 4, 8, 16), "query rows (heads sharing a kv head x Sq) "
+                      "per work-group"),
+              Tunable("SPLIT", (0, 1, 2, 4, 8, 16, 32, 64, 128), "key splits: 0 automatic, "
+                      "1 unsplit, n forced"),
+              Tunable("PAR", (0, 32, 64, 128, 256, 512, 1024, 2048), "groups the automatic "
+                      "split aims for (0: twice the host's cores)")),
+    schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "SPLIT": 0, "PAR": 512},
+               "cpu": {"WG": 1, "VEC": 16, "RB": 8, "SPLIT": 0, "PAR": 0}},
+    unspecified_nonfinite=True,
+    cases=paged_case,
+    example=example,
+    examples=examples,
+    doc="Decode attention over a paged KV cache (block table, per-sequence lengths), "
+        "split-K; GQA, window, softcap, bias, ALiBi.",
+)
