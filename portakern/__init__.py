@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from ._version import __version__ as __version__
-from .api import attention, attention_backward, call, matmul, rmsnorm, softmax
+from .api import (
+    attention,
+    attention_backward,
+    call,
+    matmul,
+    paged_attention,
+    rmsnorm,
+    softmax,
+)
 from .backend import registry as _registry
 from .backend.registry import refresh as refresh_backends
 from .core.errors import (
@@ -48,7 +56,8 @@ __all__ = [
     "Operand", "PallasKernel", "PortakernError", "Problem", "Scalar", "ShapeError", "SpecError",
     "StatModel", "Tunable",
     "UnknownBackendError", "UnsupportedDTypeError", "attention", "backends", "call",
-    "attention_backward", "explain", "matmul", "refresh_backends", "register_cases",
+    "attention_backward", "explain", "matmul", "paged_attention", "refresh_backends",
+    "register_cases",
     "register_op", "rmsnorm",
     "softmax", "to_backend",
     "unregister_op", "use", "Verdict", "verify",

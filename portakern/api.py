@@ -10,6 +10,7 @@ from .core.errors import PortakernError
 from .core.spec import KernelSpec
 from .interop import TORCH_CLASSES, refuse_mixed
 from .ops import get_op
+from .ops.paged_attention import check_tables as check_paged_tables
 from .runtime.plan import dispatch
 
 # torch tensors go to their torch custom op (portakern/interop, docs/torch.md) before any
@@ -154,6 +155,40 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask
         if not refuse_mixed("attention_backward", (do, q, k, v, out, lse), kwargs):
             raise
     return _torch("attention_backward", (do, q, k, v, out, lse), kwargs, backend, config)
+
+
+def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any, *,
+                    scale: float | None = None, softcap: float | None = None,
+                    window: int | tuple[int, int | None] | None = None, bias: Any = None,
+                    alibi_slopes: Any = None, backend: str | Backend | None = None,
+                    config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
+    """Decode attention over a paged KV cache (docs/decode.md): q (B, Hq, Sq, D), caches
+    (num_blocks, Hkv, block_size, D / Dv), block_table (B, max_blocks) int32, seq_lens (B,)
+    int32 (tokens in the cache, the Sq new ones included) -> (B, Hq, Sq, Dv).
+
+    Query i of sequence b sits at position seq_lens[b] - Sq + i and attends cache positions
+    <= its own (causal, bottom-right aligned); ``window``, ``softcap`` and ``alibi_slopes``
+    as in ``attention``, in those positions; ``bias`` broadcasts to (B, Hq, Sq, max_blocks *
+    block_size), indexed by cache position. The tables' values are checked on the host first
+    (a device array's are copied down: a few hundred bytes), naming a bad entry; long
+    contexts are split across work-groups (``config={"SPLIT": n}`` forces n, 1 = unsplit)."""
+    out = kwargs.pop("out", None)
+    if scale is not None:  # the spec's defaults are left out: a shorter plan key
+        kwargs["scale"] = scale
+    if softcap is not None:
+        kwargs["softcap"] = softcap
+    if window is not None:
+        kwargs["window"] = window
+    if bias is not None:
+        kwargs["bias"] = bias
+    if alibi_slopes is not None:
+        kwargs["alibi_slopes"] = alibi_slopes
+    shape_k, shape_q = getattr(k_cache, "shape", None), getattr(q, "shape", None)
+    if shape_k is not None and shape_q is not None and len(shape_k) == 4 and len(shape_q) == 4:
+        check_paged_tables(block_table, seq_lens, int(shape_k[0]), int(shape_k[2]),
+                           int(shape_q[2]))
+    return dispatch(get_op("paged_attention"), (q, k_cache, v_cache, block_table, seq_lens),
+                    kwargs, backend, config, out)
 
 
 _EPS = 1e-6  # rmsnorm's default; equal to the spec's (tests/test_api_defaults.py)
