@@ -160,9 +160,30 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
     K = p.derived["K"]
     u = float(np.finfo(p.info.compute).eps) / 2
     gamma = 2.0 * K * u / max(1e-300, 1.0 - K * u)  # factor 2: input-side/summation slack
+    if p.dtype in MMA_DTYPES:  # the fragment schedule may run on matrix units
+        gamma = max(gamma, _mma_gamma(K, u))
     mag = np.matmul(np.abs(x["a"]), np.abs(x["b"]))
     floor = p.info.subnormal + K * float(np.finfo(p.info.compute).tiny)
     return gamma * mag + p.info.unit_roundoff * np.abs(ref) + floor
+
+
+def _mma_gamma(K: int, u: float) -> float:
+    """The worst-case relative bound (times |A||B|) of matmul_mma on a matrix unit.
+
+    Inside one instruction the arithmetic is not IEEE-sequential (Fasi, Higham, Mikaitis and
+    Pranesh, "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021): the exact products
+    and the incoming c are aligned to the largest exponent and truncated, summed, and the
+    result normalised by truncation. Model one 16-deep tile product d = c + sum_i p_i, at
+    most 17 terms, each truncated by less than one ulp of the largest (2u M, M = max term
+    <= S = |c| + sum |p_i|), and the result by 2u |d|: |err| <= 2u (17 + 1) S = 36u S, for
+    any internal blocking and any rounding no worse than truncation. In one KB1 block c
+    chains through L/16 products (L = min(K, KB1) = 512 at most) and each S is at most the
+    block's sum of |p| (first order in u), so the block errs by <= 36u (L/16) sum|p| =
+    2.25 u L sum|p|. The block sums are added outside pk_mma in IEEE fp32 (matmul.c): each
+    term passes at most KB2 additions into the second level and K/(KB1 KB2) + 1 into the
+    total, u each. So gamma_MMA = u (2.25 min(K, KB1) + KB2 + K/(KB1 KB2) + 1), above the
+    SIMT bound 2Ku only for K below ~600 (1.7x at K = 16)."""
+    return u * (2.25 * min(K, KB1) + KB2 + K / (KB1 * KB2) + 1.0)
 
 
 # Probabilistic models (the statistical check, portakern.verify). Two, for two kinds of
