@@ -152,6 +152,10 @@ EOF
             rc=$?; [ $rc -eq 0 ] || echo "resources $op: rc=$rc"
             "$@" "${a[@]}"
         done' _ "${PK[@]}"
+    # matrix units (docs/fragments.md): bf16 matmul N=4096 through the fragment API (the
+    # default MMA=1 on sm_80+) against cuBLAS on the same device, goal >= 0.5x; the figures
+    # land in mma_matmul.json and results.json. Never part of CI.
+    run_step mma_matmul 60 "$PY" benchmarks/gpu_mma_matmul.py
     run_step pytest 200 "$PY" -m pytest -q -rs -p no:cacheprovider \
         --junitxml="$OUT/pytest.xml" tests
     run_step check 90 "${PK[@]}" check --backend cuda --out "$OUT/check.json"
@@ -195,7 +199,12 @@ for op in ("matmul", "softmax", "rmsnorm", "attention"):
     except ValueError:
         static[op] = None
 ok = all(s["rc"] in (0, "skipped") for s in steps) and any(s["step"] == "pytest" for s in steps)
+try:
+    mma = json.loads(read("mma_matmul.json") or "null")  # bf16 N=4096 vs cuBLAS
+except ValueError:
+    mma = None
 res = {"ok": ok, "gpu": gpu, "versions": versions, "steps": steps, "static_resources": static,
+       "mma_matmul": mma,
        "env": {k: os.environ.get(k) for k in ("CUPY_TF32", "PORTAKERN_TEST_BACKENDS",
                                                "PORTAKERN_HYPOTHESIS_PROFILE")},
        "seconds": int(time.time()) - int(os.environ["START_S"]),
