@@ -59,24 +59,21 @@ typedef PK_CAT(float, VEC) pa_vt;
 #else
 #define PA_VLOAD(p) PK_CAT(vload, VEC)(0, (p))
 #endif
-PK_DEVICE_FN float pa_lane_sum(pa_vt v)
-{
-    float* e = (float*)&v;
-    #pragma unroll
-    for (int w = VEC / 2; w >= 1; w /= 2)
-        #pragma unroll
-        for (int i = 0; i < w; ++i) e[i] += e[i + w];
-    return e[0];
-}
-PK_DEVICE_FN float pa_lane_max(pa_vt v)
-{
-    float* e = (float*)&v;
-    #pragma unroll
-    for (int w = VEC / 2; w >= 1; w /= 2)
-        #pragma unroll
-        for (int i = 0; i < w; ++i) e[i] = fmax(e[i], e[i + w]);
-    return e[0];
-}
+/* lane reductions as halvings (.lo/.hi): shuffles the compiler keeps in registers */
+#if VEC == 16
+#define PA_HSUM(v) pa_hsum8((v).lo + (v).hi)
+#define PA_HMAX(v) pa_hmax8(fmax((v).lo, (v).hi))
+#elif VEC == 8
+#define PA_HSUM(v) pa_hsum8(v)
+#define PA_HMAX(v) pa_hmax8(v)
+#else
+#define PA_HSUM(v) pa_hsum4(v)
+#define PA_HMAX(v) pa_hmax4(v)
+#endif
+PK_DEVICE_FN float pa_hsum4(float4 v) { const float2 a = v.lo + v.hi; return a.x + a.y; }
+PK_DEVICE_FN float pa_hmax4(float4 v) { const float2 a = fmax(v.lo, v.hi); return fmax(a.x, a.y); }
+PK_DEVICE_FN float pa_hsum8(float8 v) { return pa_hsum4(v.lo + v.hi); }
+PK_DEVICE_FN float pa_hmax8(float8 v) { return pa_hmax4(fmax(v.lo, v.hi)); }
 #define NQV (DQ / VEC)
 #define NAV (DV / VEC)
 #endif
@@ -156,9 +153,9 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         const int nkeys = min(BS, L - pg * BS); /* >= 1 */
         for (int t0 = 0; t0 < nkeys; t0 += VEC) {
             const int nk = min(VEC, nkeys - t0);
-            pa_vt sv[RB];
+            float sc[RB][VEC];
             #pragma unroll
-            for (int r = 0; r < RB; ++r) sv[r] = (pa_vt)(-PK_INFINITY);
+            for (int r = 0; r < RB; ++r) PK_CAT(vstore, VEC)((pa_vt)(-PK_INFINITY), 0, &sc[r][0]);
             for (int j = 0; j < nk; ++j) {
                 const int kpos = pg * BS + t0 + j;
                 pa_vt kr[NQV];
@@ -169,20 +166,21 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                     pa_vt part = qv[r][0] * kr[0];
                     #pragma unroll
                     for (int c = 1; c < NQV; ++c) part = fma(qv[r][c], kr[c], part);
-                    const float dot = pa_lane_sum(part);
+                    const float dot = PA_HSUM(part);
                     if (PA_KEEP(qpos[r], kpos))
-                        ((float*)&sv[r])[j] = PA_SCORE(dot, brow[r], qpos[r], kpos, slope[r]);
+                        sc[r][j] = PA_SCORE(dot, brow[r], qpos[r], kpos, slope[r]);
                 }
             }
             /* per row: the chunk's max, one rescale, the chunk's weights */
             float p[RB][VEC];
             #pragma unroll
             for (int r = 0; r < RB; ++r) {
-                const float mn = fmax(m[r], pa_lane_max(sv[r]));
+                const pa_vt sv = PK_CAT(vload, VEC)(0, &sc[r][0]);
+                const float mn = fmax(m[r], PA_HMAX(sv));
                 const float shift = (mn == -PK_INFINITY) ? 0.0f : mn;
                 const float corr = exp(m[r] - shift); /* m = -inf: 0 */
-                const pa_vt e = PK_VEXP(sv[r] - (pa_vt)(shift));
-                l[r] = l[r] * corr + pa_lane_sum(e);
+                const pa_vt e = PK_VEXP(sv - (pa_vt)(shift));
+                l[r] = l[r] * corr + PA_HSUM(e);
                 m[r] = mn;
                 #pragma unroll
                 for (int c = 0; c < NAV; ++c) acc[r][c] *= (pa_vt)(corr);
