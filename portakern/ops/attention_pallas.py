@@ -159,6 +159,16 @@ def _modify(s: Any, qidx: Any, kidx: Any, bias: Any, slope: Any, softcap: float 
     return s
 
 
+def _masked_scores(s: Any, keep: Any, qidx: Any, kidx: Any, bias: Any, slope: Any,
+                   softcap: float | None) -> Any:
+    """The modifiers, then the mask (-inf), in the order of attention.semantics: a cap
+    applied after masking would map a masked key's -inf to -c, a weight."""
+    import jax.numpy as jnp
+
+    s = _modify(s, qidx, kidx, bias, slope, softcap)
+    return jnp.where(keep, s, jnp.full_like(s, -jnp.inf))
+
+
 def _keep_positions(keep: Any, qidx: Any, kidx: Any, causal: bool,
                     window: tuple[int, int | None] | None) -> Any:
     """keep, narrowed by causal (j <= i) and the window (i - left <= j <= i + right)."""
@@ -271,14 +281,12 @@ def _kernel(*refs: Any, has_mask: bool, mods: _Mods, causal: bool, scale: float,
         vb = jnp.where(finite_v, vb, jnp.zeros_like(vb))
         kidx = start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
         qidx = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
-        s = _modify(s, qidx, kidx,
-                    None if b_ref is None else b_ref[:, pl.ds(start, block_k)].astype(acc_dtype),
-                    None if sl_ref is None else _slope(sl_ref, head, acc_dtype),
-                    mods.softcap)
         keep = _keep_positions(kidx < sk, qidx, kidx, causal, mods.window)  # padded keys out
         if m_ref is not None:
             keep = jnp.logical_and(keep, m_ref[:, pl.ds(start, block_k)] != 0)
-        s = jnp.where(keep, s, neg_inf)
+        bias = None if b_ref is None else b_ref[:, pl.ds(start, block_k)].astype(acc_dtype)
+        slope = None if sl_ref is None else _slope(sl_ref, head, acc_dtype)
+        s = _masked_scores(s, keep, qidx, kidx, bias, slope, mods.softcap)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         # a row with nothing kept so far has m = -inf: shift by 0 instead (exp(-inf) = 0)
         m_safe = jnp.where(m_new == neg_inf, jnp.zeros_like(m_new), m_new)
