@@ -93,11 +93,12 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                                int nsplit, int pps, int nrows, PK_ACC_T scale, int wl, int wr,
                                PK_ACC_T cap, int bs0, int bs1, int bs2, int bs3)
 {
+    /* (no `%` beside a `/`: LLVM pairs them behind a `freeze` Oclgrind 21.10 cannot run) */
     const int g = PK_GROUP_ID(0);
-    const int s = g % nsplit;
     const int rest = g / nsplit;
-    const int rb = rest % nrb;
+    const int s = g - rest * nsplit;
     const int bk = rest / nrb;
+    const int rb = rest - bk * nrb;
     const int b = bk / Hkv;
     const int kvh = bk - b * Hkv;
     const int G = Hq / Hkv;
@@ -115,8 +116,9 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 #endif
     /* row r of the block: query head kvh * G + rr / Sq, query rr % Sq (rr = rb * RB + r) */
 #define PA_ROW_OK(r) (rb * RB + (r) < R)
-#define PA_QH(r) (kvh * G + (rb * RB + (r)) / Sq)
-#define PA_QI(r) ((rb * RB + (r)) % Sq)
+#define PA_QH0(r) ((rb * RB + (r)) / Sq)
+#define PA_QH(r) (kvh * G + PA_QH0(r))
+#define PA_QI(r) ((rb * RB + (r)) - PA_QH0(r) * Sq)
 #define PA_OROW(r) ((b * Hq + PA_QH(r)) * Sq + PA_QI(r)) /* output row index */
 #define PA_BROW(r) (b * bs0 + PA_QH(r) * bs1 + PA_QI(r) * bs2)
 #define PA_BLOCK(pg) pa_clamp(BT[b * MB + (pg)], NB - 1)
