@@ -11,6 +11,21 @@ a -inf score drops a key; a row with no key to attend is 0 whatever v holds). Bo
 attention maps query head h to kv head h // (Hq // Hkv) in the index map, so K and V are never
 repeated in memory.
 
+Score modifiers (issue 29; ``attention_math.modify_scores``): a ``bias`` broadcastable to
+(B, Hq, Sq, Sk) is read tile by tile like the mask (its (Sq, Sk) plane materialised and
+zero-padded, broadcast batch/head dims not), ``alibi_slopes`` (Hq,) as one small row, and
+``softcap``; each tile's score becomes c tanh((s + bias - slope |i - j|) / c) before the
+mask (``_masked_scores``). A ``window`` (left, right) is a mask on positions, and it also
+bounds the key blocks a query block walks (``_key_blocks``) and the query blocks a key block
+walks in the backward (``_query_blocks``), so a sliding window costs O(Sq (left + right))
+rather than O(Sq Sk). The backward multiplies dS by the cap's derivative 1 - (s'/c)^2. The
+bias's cotangent is dS itself (with respect to the pre-cap score), summed over the dims the
+bias broadcasts over, and the slopes' is -sum dS |i - j| over batch and positions: a fourth
+Pallas call ("portakern_attention_bwd_dmods") writes the (B, Hq, Sq, Sk) dS tiles and each
+row's slope sum, then XLA sums them down. That is the one Sq x Sk array of the backward, as
+in FlashAttention's Triton bias gradient; it is a call of its own so that under ``jit`` XLA
+drops it when neither cotangent is used (a bias that is not differentiated).
+
 Arbitrary shapes: Sq and Sk are padded to block multiples (padded keys are masked out, padded
 query rows are sliced away) and the head dims D and Dv are zero-padded to the platform's
 alignment (zeros change no dot product), so D = 40, 59, 80, 111 work everywhere.
@@ -26,21 +41,24 @@ log sum_j exp(s_ij) over the keys the row attends), float32 (float64 for float64
 for a dead row, NaN where the output row is NaN. ``build`` returns ``(out, lse)`` when the
 problem's ``return_lse`` parameter is set (missing: False).
 
-Gradients: the kernel is wrapped in ``jax.custom_vjp`` with residuals (q, k, v, mask, out, lse)
-(lse is computed even when not returned) and a fused FlashAttention-2 backward in three Pallas
-kernels: ``delta_i = dO_i . O_i - g_lse_i`` (one instance per (batch*head, query block)); dK
-and dV (one per (batch*kv head, key block), looping over the query blocks and over the
-Hq/Hkv query heads of its group, so GQA's sum happens in the kernel and K/V are never
-repeated); dQ (one per (batch*head, query block), looping over the key blocks). Each
-recomputes P = exp(s - lse) on the attended keys (0 elsewhere and on a dead row), then
-dV = P^T dO, dP = dO V^T, dS = P (dP - delta), dQ = scale dS K, dK = dS^T (scale q); causal
-blocks wholly masked are skipped. No atomics: every output block has one writer, so the
-result is deterministic. Accumulation is in the compute dtype; gradients come back in the
-inputs' dtypes, the boolean mask gets no cotangent, and fully masked rows give zero
-gradients. The Sq x Sk matrices are never written to memory. Inputs with explicit shardings
-run the backward per shard too. Only finite inputs are held to the float64 gradient (rows
-that are NaN in the forward may give NaN gradients). tests/ops/test_attention_pallas_grad.py
-derives the error bounds.
+Gradients: the kernel is wrapped in ``jax.custom_vjp`` with residuals (q, k, v, mask, bias,
+slopes, out, lse) (lse is computed even when not returned) and a fused FlashAttention-2
+backward in three Pallas kernels: ``delta_i = dO_i . O_i - g_lse_i`` (one instance per
+(batch*head, query block)); dK and dV (one per (batch*kv head, key block), looping over the
+query blocks and over the Hq/Hkv query heads of its group, so GQA's sum happens in the
+kernel and K/V are never repeated); dQ (one per (batch*head, query block), looping over the
+key blocks). Each recomputes P = exp(s' - lse) on the attended keys (0 elsewhere and on a
+dead row), then dV = P^T dO, dP = dO V^T, dS = P (dP - delta) (times the cap's derivative),
+dQ = scale dS K, dK = dS^T (scale q); blocks wholly masked by causal or the window are
+skipped. No atomics: every output block has one writer, so the result is deterministic.
+Accumulation is in the compute dtype; gradients come back in the inputs' dtypes, the
+boolean mask gets no cotangent, and fully masked rows give zero gradients. Without a bias
+cotangent the Sq x Sk matrices are never written to memory. Inputs with explicit shardings
+run the backward per shard too (the bias's partial cotangents psum-ed over the split mesh
+axes it broadcasts over, the slopes' over the batch axis). Only finite inputs are held to
+the float64 gradient (rows that are NaN in the forward may give NaN gradients).
+tests/ops/test_attention_pallas_grad.py derives the error bounds;
+tests/ops/test_attention_mods_jax.py checks the modifiers.
 
 Nothing here imports jax at module import time: ``import portakern`` must stay jax-free, and
 ``attention.SPEC.pallas`` points at :func:`build`, which imports jax when first called.
