@@ -50,6 +50,14 @@ PK_DEVICE_FN int pa_clamp(int x, int hi) { return x < 0 ? 0 : (x > hi ? hi : x);
 
 #if PA_VEC
 typedef PK_CAT(float, VEC) pa_vt;
+typedef PK_CAT(int, VEC) pa_it;
+#if VEC == 16
+#define PA_LANES (pa_it)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#elif VEC == 8
+#define PA_LANES (pa_it)(0, 1, 2, 3, 4, 5, 6, 7)
+#else
+#define PA_LANES (pa_it)(0, 1, 2, 3)
+#endif
 /* VEC consecutive storage elements at p as a float vector */
 #if PA_ST == 1
 #define PA_VLOAD(p) PK_CAT(vload_half, VEC)(0, (p))
@@ -148,6 +156,7 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         slope[r] = 0.0f;
 #endif
     }
+    const pa_it lanes = PA_LANES;
     for (int pg = p_lo; pg < p_hi; ++pg) {
         const int blk = PA_BLOCK(pg);
         const PK_GLOBAL PK_T_T* kp = KC + ((blk * Hkv + kvh) * BS) * DQ;
@@ -155,9 +164,10 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         const int nkeys = min(BS, L - pg * BS); /* >= 1 */
         for (int t0 = 0; t0 < nkeys; t0 += VEC) {
             const int nk = min(VEC, nkeys - t0);
-            float sc[RB][VEC];
+            /* scores, lane j = key t0 + j, inserted by a lane select (registers only) */
+            pa_vt sv[RB];
             #pragma unroll
-            for (int r = 0; r < RB; ++r) PK_CAT(vstore, VEC)((pa_vt)(-PK_INFINITY), 0, &sc[r][0]);
+            for (int r = 0; r < RB; ++r) sv[r] = (pa_vt)(-PK_INFINITY);
             for (int j = 0; j < nk; ++j) {
                 const int kpos = pg * BS + t0 + j;
                 pa_vt kr[NQV];
@@ -170,23 +180,23 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                     for (int c = 1; c < NQV; ++c) part = fma(qv[r][c], kr[c], part);
                     const float dot = PA_HSUM(part);
                     if (PA_KEEP(qpos[r], kpos))
-                        sc[r][j] = PA_SCORE(dot, brow[r], qpos[r], kpos, slope[r]);
+                        sv[r] = select(sv[r], (pa_vt)(PA_SCORE(dot, brow[r], qpos[r], kpos,
+                                                                 slope[r])), lanes == (pa_it)(j));
                 }
             }
             /* per row: the chunk's max, one rescale, the chunk's weights */
-            float p[RB][VEC];
+            pa_vt pv[RB];
             #pragma unroll
             for (int r = 0; r < RB; ++r) {
-                const pa_vt sv = PK_CAT(vload, VEC)(0, &sc[r][0]);
-                const float mn = fmax(m[r], PA_HMAX(sv));
+                const float mn = fmax(m[r], PA_HMAX(sv[r]));
                 const float shift = (mn == -PK_INFINITY) ? 0.0f : mn;
                 const float corr = exp(m[r] - shift); /* m = -inf: 0 */
-                const pa_vt e = PK_VEXP(sv - (pa_vt)(shift));
+                const pa_vt e = PK_VEXP(sv[r] - (pa_vt)(shift));
                 l[r] = l[r] * corr + PA_HSUM(e);
                 m[r] = mn;
                 #pragma unroll
                 for (int c = 0; c < NAV; ++c) acc[r][c] *= (pa_vt)(corr);
-                PK_CAT(vstore, VEC)(e, 0, &p[r][0]);
+                pv[r] = e;
             }
             for (int j = 0; j < nk; ++j) {
                 const int kpos = pg * BS + t0 + j;
@@ -207,7 +217,7 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 }
                 #pragma unroll
                 for (int r = 0; r < RB; ++r) {
-                    const pa_vt w = (pa_vt)(p[r][j]);
+                    const pa_vt w = (pa_vt)(((float*)&pv[r])[j]);
                     #pragma unroll
                     for (int c = 0; c < NAV; ++c) acc[r][c] = fma(w, vr[c], acc[r][c]);
                 }

@@ -1,0 +1,300 @@
+"""pk.paged_attention: the float64 oracle against a loop over the pages written here, every
+backend against the oracle (ragged lengths, lengths not a multiple of the block size,
+permuted and shared block tables, GQA, speculative decode, the modifiers), split-K forced on
+and off, bad tables refused before any device work, Oclgrind (never an out-of-bounds read,
+even with tables no check has seen), and mutants of the kernel caught.
+
+The shared suites (tests/ops/test_ops.py, tests/backend/test_simulator.py) draw the op's own
+cases (paged_attention.paged_case) too; these are the fixed cases a reader can follow."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+import portakern as pk
+from portakern.core.sampling import Case
+from portakern.ops import get_op
+from portakern.ops import paged_attention as pa
+from portakern.runtime import selection
+
+from _oracle import compare_case
+from conftest import KERNEL_TARGETS, require_tool
+
+SPEC = get_op("paged_attention")
+SIM = "opencl:oclgrind"
+_ALIVE: list[Any] = []  # mutant specs stay alive: backends cache kernels per spec
+
+
+def paged(rng: np.random.Generator, *, B: int, Hq: int, Hkv: int, Sq: int, D: int, BS: int,
+          MB: int, lens: list[int], dtype: str = "float32", Dv: int | None = None,
+          share: int = 0, pad: int | None = -1) -> dict[str, np.ndarray]:
+    """A pool of B * MB + 3 pages handed out in a shuffled order (a permuted table); the
+    first ``share`` pages of sequence 0 also start every other sequence (a shared prefix);
+    entries past a sequence's pages hold ``pad`` (None: leave the drawn ids)."""
+    nb = B * MB + 3
+    bt = rng.permutation(nb)[:B * MB].reshape(B, MB)
+    if share:
+        bt[1:, :share] = bt[0, :share]
+    if pad is not None:
+        for b, n in enumerate(lens):
+            bt[b, -(-n // BS):] = pad
+    dv = Dv or D
+    return {"q": rng.standard_normal((B, Hq, Sq, D)).astype(dtype),
+            "k_cache": rng.standard_normal((nb, Hkv, BS, D)).astype(dtype),
+            "v_cache": rng.standard_normal((nb, Hkv, BS, dv)).astype(dtype),
+            "block_table": bt.astype(np.int32), "seq_lens": np.array(lens, np.int32)}
+
+
+def loop_reference(a: dict[str, np.ndarray], scale: float | None = None,
+                   window: int | None = None, softcap: float | None = None) -> np.ndarray:
+    """The op by its definition, one query at a time in float64: walk the sequence's pages,
+    key position t in page t // BS, query i at position seq_len - Sq + i."""
+    q, kc, vc = (a[n].astype(np.float64) for n in ("q", "k_cache", "v_cache"))
+    bt, lens = a["block_table"], a["seq_lens"]
+    B, Hq, Sq, D = q.shape
+    Hkv, BS = kc.shape[1], kc.shape[2]
+    bias, slopes = a.get("bias"), a.get("alibi_slopes")
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out = np.zeros((B, Hq, Sq, vc.shape[-1]))
+    for b in range(B):
+        L = int(lens[b])
+        for h in range(Hq):
+            kvh = h // (Hq // Hkv)
+            for i in range(Sq):
+                pos = L - Sq + i
+                keys = [t for t in range(pos + 1) if window is None or t >= pos - window]
+                s = np.array([np.dot(q[b, h, i] * scale, kc[bt[b, t // BS], kvh, t % BS])
+                              for t in keys])
+                if bias is not None:
+                    s = s + np.broadcast_to(bias, (B, Hq, Sq, bt.shape[1] * BS))[b, h, i, keys]
+                if slopes is not None:
+                    s = s - float(slopes[h]) * np.abs(pos - np.array(keys))
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
+                p = np.exp(s - s.max())
+                vs = np.stack([vc[bt[b, t // BS], kvh, t % BS] for t in keys])
+                out[b, h, i] = p @ vs / p.sum()
+    return out
+
+
+def check(arrays: dict[str, Any], params: dict[str, Any], target: str,
+          config: dict[str, int] | None = None) -> np.ndarray:
+    got = pk.paged_attention(**arrays, **params, backend=target, config=config)
+    got = np.asarray(got)
+    v = compare_case(SPEC, Case(arrays, params, "fixed"), got, target)
+    assert v.ok, f"paged_attention on {target} {config} {params}:\n{v}"
+    return got
+
+
+def ragged(dtype: str = "float32") -> dict[str, np.ndarray]:
+    """GQA 8/2, lengths 1 (one key), 37 (not a multiple of 16) and 96 (full), a shared first
+    page, padded rows."""
+    return paged(np.random.default_rng(0), B=3, Hq=8, Hkv=2, Sq=1, D=32, BS=16, MB=6,
+                 lens=[1, 37, 96], dtype=dtype, share=1)
+
+
+def with_mods() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Speculative decode (Sq = 3), GQA 4/2, block size 5, a window, a soft cap, ALiBi and a
+    per-head bias over cache positions."""
+    rng = np.random.default_rng(1)
+    a = paged(rng, B=2, Hq=4, Hkv=2, Sq=3, D=32, BS=5, MB=8, lens=[23, 40])
+    a["bias"] = rng.standard_normal((1, 4, 1, 40)).astype(np.float32)
+    a["alibi_slopes"] = (2.0 ** -np.arange(1, 5)).astype(np.float32)
+    return a, {"window": 11, "softcap": 5.0}
+
+
+def test_the_oracle_is_the_loop_over_pages() -> None:
+    a = ragged()
+    ref = SPEC.semantics(np, *(a[n].astype(np.float64) if a[n].dtype.kind == "f" else a[n]
+                               for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens")))
+    np.testing.assert_allclose(ref, loop_reference(a), rtol=1e-12, atol=1e-12)
+    m, params = with_mods()
+    f64 = {k: v.astype(np.float64) if v.dtype.kind == "f" and k != "alibi_slopes" else v
+           for k, v in m.items()}
+    ref = SPEC.semantics(np, **f64, window=(11, None), softcap=5.0)
+    np.testing.assert_allclose(ref, loop_reference(m, window=11, softcap=5.0), rtol=1e-10,
+                               atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_ragged_permuted_gqa_matches_the_oracle(target: str, dtype: str) -> None:
+    check(ragged(dtype), {}, target)
+
+
+def test_speculative_decode_with_every_modifier(target: str) -> None:
+    a, params = with_mods()
+    check(a, params, target)
+
+
+# the CPU vector path unsplit and split, the GPU scalar path (WG 32: tiles of 32 keys) split
+SPLIT_CONFIGS = [{"SPLIT": 1}, {"SPLIT": 4}, {"SPLIT": 128},
+                 {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 1, "PAR": 0},
+                 {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 8, "PAR": 0}]
+
+
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=lambda c: "-".join(
+    f"{k}{v}" for k, v in c.items()))
+def test_split_forced_on_and_off(kernel_target: str, config: dict[str, int]) -> None:
+    """A 600-token context in 40 pages: unsplit, 4 and 40 splits (SPLIT 128 is capped at the
+    pages), on both paths; each matches the oracle and a split run repeats bit for bit (the
+    combine adds the splits in a fixed order)."""
+    be = selection.get(kernel_target)
+    cfg = {**SPEC.schedules[be.device_class], **config}
+    a = paged(np.random.default_rng(2), B=1, Hq=4, Hkv=1, Sq=2, D=32, BS=16, MB=40,
+              lens=[600])
+    got = check(a, {}, kernel_target, cfg)
+    again = np.asarray(pk.paged_attention(**a, backend=kernel_target, config=cfg))
+    np.testing.assert_array_equal(got, again)
+    prob = SPEC.problem(a, dict(SPEC.params))
+    ns, pps = pa.splits(prob, cfg)
+    assert ns == (1 if cfg["SPLIT"] == 1 else min(cfg["SPLIT"], 40)) and ns * pps >= 40
+    assert len(SPEC.launches(prob, cfg)) == (1 if ns == 1 else 2)
+
+
+def test_automatic_split_follows_parallelism() -> None:
+    """SPLIT = 0: a long context with few groups splits (up to the target), a short one or
+    a large batch does not, and no split has fewer than MIN_SPLIT_KEYS keys."""
+    def problem(B: int, ctx: int) -> Any:
+        ex, _ = pa.example("float16", B=B, MB=ctx // 16)
+        return SPEC.problem(ex, dict(SPEC.params))
+
+    gpu = dict(SPEC.schedules["gpu"])
+    assert pa.splits(problem(1, 32768), gpu)[0] == 64  # 8 groups, aiming at 512
+    assert pa.splits(problem(1, 1024), gpu)[0] == 1024 // pa.MIN_SPLIT_KEYS
+    assert pa.splits(problem(1, 256), gpu)[0] == 1
+    assert pa.splits(problem(64, 4096), gpu)[0] == 1  # 512 groups already
+    assert pa.splits(problem(1, 32768), {**gpu, "SPLIT": 8}) == (8, 256)
+
+
+BAD = [
+    ("block_table", (1, 2), 97, "block_table[1, 2] = 97 is outside [0, 21)"),
+    ("block_table", (2, 0), -1, "block_table[2, 0] = -1 is outside [0, 21)"),
+    ("seq_lens", (1,), 97, "seq_lens[1] = 97 is outside [Sq, max_blocks * block_size] = [1, 96]"),
+    ("seq_lens", (0,), 0, "seq_lens[0] = 0 is outside [Sq, max_blocks * block_size] = [1, 96]"),
+]
+
+
+@pytest.mark.parametrize("name,index,value,words", BAD, ids=[b[3][:20] for b in BAD])
+def test_bad_tables_are_refused_before_any_device_work(name: str, index: tuple[int, ...],
+                                                      value: int, words: str) -> None:
+    a = ragged()
+    a[name] = a[name].copy()
+    a[name][index] = value
+    be = selection.get("opencl:0") if "opencl:0" in KERNEL_TARGETS else selection.get("numpy")
+    before = be.transfers.h2d
+    with pytest.raises(pk.InvalidArgumentError) as info:
+        pk.paged_attention(**a, backend=be)
+    assert words in str(info.value) and "Fix:" in str(info.value)
+    assert be.transfers.h2d == before  # nothing was uploaded
+
+
+def test_malformed_tables_are_refused_by_validation() -> None:
+    a = ragged()
+    with pytest.raises(pk.DTypeError, match="block_table.*int32"):
+        pk.paged_attention(**{**a, "block_table": a["block_table"].astype(np.int64)},
+                           backend="numpy")
+    with pytest.raises(pk.ShapeError, match="one row per sequence"):
+        pk.paged_attention(**{**a, "seq_lens": np.array([1, 2, 3, 4], np.int32)},
+                           backend="numpy")
+    with pytest.raises(pk.ShapeError, match="v_cache"):
+        pk.paged_attention(**{**a, "v_cache": a["v_cache"][:, :, :8]}, backend="numpy")
+    with pytest.raises(pk.ShapeError, match="max_blocks \\* block_size"):
+        pk.paged_attention(**a, bias=np.zeros((8, 1, 95), np.float32), backend="numpy")
+    with pytest.raises(pk.InvalidArgumentError, match="paged_attention: window"):
+        pk.paged_attention(**a, window=-1, backend="numpy")
+
+
+def test_device_tables_are_checked_from_a_host_copy() -> None:
+    if "opencl:0" not in KERNEL_TARGETS:
+        pytest.skip("opencl:0 absent")
+    be = selection.get("opencl:0")
+    a = ragged()
+    dev = {k: be.to_native(v) for k, v in a.items()}
+    out = pk.paged_attention(**dev, backend=be)
+    assert be.is_native(out)
+    np.testing.assert_array_equal(be.to_numpy(out), pk.paged_attention(**a, backend=be))
+    bad = a["block_table"].copy()
+    bad[1, 2] = 1000
+    with pytest.raises(pk.InvalidArgumentError, match=r"block_table\[1, 2\] = 1000"):
+        pk.paged_attention(**{**dev, "block_table": be.to_native(bad)}, backend=be)
+
+
+def test_jax_jit_composes() -> None:
+    jax = pytest.importorskip("jax")
+    a = ragged()
+    ref = np.asarray(pk.paged_attention(**a, backend="numpy"))
+
+    @jax.jit
+    def step(q: Any, kc: Any, vc: Any, bt: Any, sl: Any) -> Any:
+        return pk.paged_attention(q, kc, vc, bt, sl, softcap=30.0) * 2.0
+
+    got = step(*(jax.numpy.asarray(a[n]) for n in ("q", "k_cache", "v_cache", "block_table",
+                                                   "seq_lens")))
+    capped = np.asarray(pk.paged_attention(**a, softcap=30.0, backend="numpy"))
+    np.testing.assert_allclose(np.asarray(got) / 2.0, capped, rtol=2e-5, atol=2e-6)
+    assert np.abs(capped - ref).max() > 0  # the cap was applied
+
+
+# --- Oclgrind: the kernels as a GPU runs them, every access checked -------------------------
+def _simulator() -> None:
+    try:
+        from portakern.backend.oclgrind import simulator_info
+    except Exception as exc:  # pyopencl missing
+        require_tool(None, f"opencl:oclgrind needs pyopencl ({exc})",
+                     "pip install 'portakern[opencl]'")
+    require_tool(simulator_info() is not None, "opencl:oclgrind: Oclgrind is not installed",
+                 "apt-get install oclgrind (scripts/setup.sh installs it)")
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("schedule", ["gpu", "cpu"])
+def test_simulator_split_and_unchecked_bad_tables(schedule: str) -> None:
+    """Unsplit and split on Oclgrind; then tables no check has seen (pk.call does not look at
+    values): ids past the pool, negative ids, lengths past the table. Oclgrind raises on any
+    out-of-bounds access; the kernel clamps as the semantics do, so they still agree."""
+    _simulator()
+    rng = np.random.default_rng(3)
+    a = paged(rng, B=2, Hq=2, Hkv=1, Sq=2, D=16, BS=4, MB=5, lens=[6, 20], pad=None)
+    cfg = dict(SPEC.schedules[schedule])
+    for split in (1, 2):
+        check(a, {}, SIM, {**cfg, "SPLIT": split, "WG": min(cfg["WG"], 32)})
+    bad = {**a, "block_table": a["block_table"].copy(), "seq_lens": np.array([-5, 99], np.int32)}
+    bad["block_table"][0, 0] = -7
+    bad["block_table"][1, 4] = 10**6
+    got = pk.call(SPEC, **bad, backend=SIM, config={**cfg, "SPLIT": 2, "WG": min(cfg["WG"], 32)})
+    v = compare_case(SPEC, Case(bad, {}, "unchecked"), got, SIM)
+    assert v.ok, str(v)
+
+
+# --- mutants: faults the oracle must catch ----------------------------------------------------
+MUTANTS = {
+    "the combine drops the last split": (
+        "    for (int s = 0; s < nsplit; ++s) {\n        const PK_ACC_T w",
+        "    for (int s = 0; s < nsplit - 1; ++s) {\n        const PK_ACC_T w", {"SPLIT": 4}),
+    "a query does not attend its own position (off by one)": (
+        "#define PA_KEEP(qp, kp) ((kp) <= (qp)", "#define PA_KEEP(qp, kp) ((kp) < (qp)",
+        {"SPLIT": 1}),
+    "query positions aligned top-left": (
+        "const int q0pos = L - Sq;", "const int q0pos = 0;", {"SPLIT": 1}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_is_caught(name: str) -> None:
+    if not KERNEL_TARGETS:
+        pytest.skip("no C-kernel backend")
+    old, new, cfg = MUTANTS[name]
+    assert SPEC.source.count(old) == 1, f"mutation site for {name!r} not found"
+    mutant = SPEC.replace(name="paged_attention_mutant", source=SPEC.source.replace(old, new))
+    _ALIVE.append(mutant)
+    target = KERNEL_TARGETS[0]
+    be = selection.get(target)
+    a = paged(np.random.default_rng(2), B=1, Hq=4, Hkv=1, Sq=2, D=32, BS=16, MB=40,
+              lens=[600])
+    config = {**SPEC.schedules[be.device_class], **cfg}
+    got = pk.call(mutant, **a, backend=be, config=config)
+    assert not compare_case(SPEC, Case(a, {}, "mutant"), got, be).ok, f"{name!r} survived"
