@@ -232,6 +232,12 @@ class KernelSpec:
     # scratch the launches use (e.g. a packed copy of an operand), named in Launch args as
     # Buf(name). C-kernel backends allocate it per call; array backends never see it.
     workspace: Callable[[Problem, Mapping[str, int]], Mapping[str, tuple[int, str]]] | None = None
+    # optional: fit_device(problem, cfg, compute_units) -> cfg: the configuration with its
+    # automatic tunables (e.g. attention's SPLIT = 0) resolved for the device that runs it,
+    # from its compute units (SMs, CUs, cores). Called by runtime.configs.config_for; a raw
+    # config (tools without a device) keeps the automatic value, which the spec must read
+    # as its device-independent default.
+    fit_device: Callable[[Problem, dict[str, int], int], dict[str, int]] | None = None
     doc: str = ""
     # A +inf tolerance bound marks an element the op leaves unspecified (judged by neither
     # check) where the oracle is finite. True: also where the oracle is NaN or infinite, for an

@@ -17,6 +17,14 @@
  * loads (tiles wholly outside every query's window are never loaded). With any modifier on,
  * the vector path takes its key-by-key (masked) branch for every tile.
  *
+ * Split-K (AT_SPLIT, decode: few queries, many keys): the keys are cut into nsplit ranges
+ * of `chunk` keys (a multiple of BK) and each work-group takes one (batch, head, query
+ * block, range): the group index runs over ranges fastest. A group writes its rows' partial
+ * state, PART[(row * nsplit + split) * (DV_ + 2) + ...] = (max, sum, unnormalised acc), and
+ * attention_combine merges the ranges in a fixed order (deterministic): M = the ranges' max,
+ * each range weighted by exp(m - M) (0 for a range with nothing attended), then the output
+ * and the lse as without the split.
+ *
  * AT_LSE (return_lse=True): each row's log-sum-exp m + log(l) is written to LSE (B, Hq, Sq)
  * in the compute type; without it LSE is never touched.
  *
@@ -124,9 +132,14 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                          PK_GLOBAL const float* PK_RESTRICT SLOPES,
                          int Sq, int Sk, int Hq, int group, int nqb, PK_ACC_T scale,
                          int causal, int has_mask, int ms0, int ms1, int ms2, int ms3, int Skp,
-                         int wl, int wr, PK_ACC_T cap, int bs0, int bs1, int bs2, int bs3)
+                         int wl, int wr, PK_ACC_T cap, int bs0, int bs1, int bs2, int bs3,
+                         PK_GLOBAL PK_ACC_T* PK_RESTRICT PART, int nsplit, int chunk)
 {
-    const int g = PK_GROUP_ID(0);
+    const int gs = PK_GROUP_ID(0);
+    const int g = gs / nsplit;
+    /* the key range: fastest, so a row's ranges run together (not gs % nsplit: Oclgrind
+     * 21.10 cannot run the `freeze` its compiler then emits) */
+    const int split = gs - g * nsplit;
     const int bh = g / nqb;
     const int qb = g - bh * nqb;
     const int b = bh / Hq;
@@ -222,6 +235,9 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
     kstart = max(0, qb * QB - wl) / BK * BK;
     if (wr < kend - (qb * QB + QB - 1)) kend = qb * QB + QB + wr;
 #endif
+    /* this group's key range (the whole of it without a split); chunk is a multiple of BK */
+    kstart = max(kstart, split * chunk);
+    kend = min(kend, split * chunk + chunk);
     for (int k0 = kstart; k0 < kend; k0 += BK) {
 #if AT_PACKED
         /* tiles are read from KT/VP in place */
@@ -479,6 +495,21 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
 #if AT_VEC
         l[t] = at_lane_sum(lsum[t]);
 #endif
+#if AT_SPLIT
+        {   /* this range's partial state; attention_combine finishes the row */
+            PK_GLOBAL PK_ACC_T* part = PART + ((bh * Sq + qi) * nsplit + split) * (DV_ + 2);
+            part[0] = m[t];
+            part[1] = l[t];
+#if AT_VEC
+            PK_ACC_T* ar = (PK_ACC_T*)&acc[t][0];
+            for (int d = 0; d < DV; ++d) part[2 + d] = ar[d];
+#else
+            #pragma unroll
+            for (int d = 0; d < DV; ++d) part[2 + d] = acc[t][d];
+#endif
+            continue;
+        }
+#endif
         /* dead: no key attended (max -inf, sum exactly 0); a NaN sum is alive and stays NaN */
         const int dead = m[t] == -PK_INFINITY && l[t] == (PK_ACC_T)0;
         const PK_ACC_T inv = dead ? (PK_ACC_T)0 : (PK_ACC_T)1 / l[t];
@@ -494,5 +525,46 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
         #pragma unroll
         for (int d = 0; d < DV; ++d) PK_STORE_T(O, (bh * Sq + qi) * DV + d, acc[t][d] * inv);
 #endif
+    }
+}
+
+/* Split-K's second pass: one work-item per query row merges the row's nsplit partial states
+ * in range order (deterministic). A range that attended nothing (max -inf, sum 0) weighs 0;
+ * a NaN max or sum makes the row NaN, as in one pass; the row is dead (0, lse -inf) when
+ * every range is. */
+PK_KERNEL void attention_combine(PK_GLOBAL const PK_ACC_T* PK_RESTRICT PART,
+                                 PK_GLOBAL PK_T_T* PK_RESTRICT O,
+                                 PK_GLOBAL PK_ACC_T* PK_RESTRICT LSE, int rows, int nsplit)
+{
+    const int row = PK_GROUP_ID(0) * PK_LOCAL_SIZE(0) + PK_LOCAL_ID(0);
+    if (row >= rows) return;
+    PK_GLOBAL const PK_ACC_T* part = PART + row * nsplit * (DV_ + 2);
+    PK_ACC_T mx = -PK_INFINITY;
+    int nan = 0;
+    for (int s = 0; s < nsplit; ++s) {
+        const PK_ACC_T ms = part[s * (DV_ + 2)];
+        nan |= ms != ms;
+        mx = ms > mx ? ms : mx;
+    }
+    PK_ACC_T l = (PK_ACC_T)0;
+    for (int s = 0; s < nsplit; ++s) {
+        const PK_ACC_T ms = part[s * (DV_ + 2)];
+        const PK_ACC_T w = (ms == -PK_INFINITY) ? (PK_ACC_T)0 : exp(ms - mx);
+        l += w * part[s * (DV_ + 2) + 1];
+    }
+    if (nan) l = AT_NAN;
+    const int dead = mx == -PK_INFINITY && l == (PK_ACC_T)0;
+    const PK_ACC_T inv = dead ? (PK_ACC_T)0 : (PK_ACC_T)1 / l;
+#if AT_LSE
+    LSE[row] = dead ? -(PK_ACC_T)PK_INFINITY : mx + log(l);
+#endif
+    for (int d = 0; d < DV; ++d) {
+        PK_ACC_T a = (PK_ACC_T)0;
+        for (int s = 0; s < nsplit; ++s) {
+            const PK_ACC_T ms = part[s * (DV_ + 2)];
+            const PK_ACC_T w = (ms == -PK_INFINITY) ? (PK_ACC_T)0 : exp(ms - mx);
+            a += w * part[s * (DV_ + 2) + 2 + d];
+        }
+        PK_STORE_T(O, row * DV + d, (nan ? AT_NAN : a) * inv);
     }
 }

@@ -269,11 +269,51 @@ def _packed_elements(p: Problem, cfg: Mapping[str, int]) -> tuple[int, int]:
     return heads * max(1, d["D"]) * skp, heads * skp * dvp
 
 
+SPLIT_MIN_TILES = 4  # key tiles per range at least: fewer and the combine outweighs the gain
+SPLIT_GROUPS_PER_UNIT = 2  # split until the groups fill each compute unit this many times
+
+
+def split_plan(p: Problem, cfg: Mapping[str, int]) -> tuple[int, int]:
+    """(nsplit, chunk): how many key ranges the forward launches per query block, and the
+    keys per range (a multiple of BK). SPLIT = 1: none; SPLIT = n > 1: n ranges (fewer when
+    there are fewer tiles). SPLIT = 0 (automatic) is resolved for the device by
+    ``fit_splits`` before a call runs; a raw config (tools without a device) reads it as 1."""
+    d = p.derived
+    bk = effective_bk(p, cfg)
+    tiles = cdiv(max(d["Sk"], 1), bk)
+    want = max(1, min(cfg.get("SPLIT", 1), tiles))
+    per = cdiv(tiles, want)
+    return cdiv(tiles, per), per * bk
+
+
+def fit_splits(p: Problem, cfg: dict[str, int], compute_units: int) -> dict[str, int]:
+    """The spec's ``fit_device``: SPLIT = 0 becomes enough key ranges that the work-groups
+    fill the device's compute units SPLIT_GROUPS_PER_UNIT times over, each range at least
+    SPLIT_MIN_TILES tiles, rounded down to a power of two in the tunable's domain. That
+    splits decode (Sq = 1) at small batch, where B * Hq groups would leave most of a GPU's
+    units idle, and leaves prefill and large batches unsplit."""
+    if cfg.get("SPLIT") != 0:
+        return cfg
+    d = p.derived
+    tiles = cdiv(max(d["Sk"], 1), effective_bk(p, cfg))
+    groups = d["B"] * d["Hq"] * cdiv(d["Sq"], cfg["BQ"] * cfg["RQ"] * cfg["TQ"])
+    want = min(cdiv(SPLIT_GROUPS_PER_UNIT * compute_units, max(groups, 1)),
+               tiles // SPLIT_MIN_TILES, 128)
+    cfg["SPLIT"] = 1 << (max(want, 1).bit_length() - 1)
+    return cfg
+
+
 def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
-    if not packs_kv(p, cfg):
-        return {}
-    kt, vp = _packed_elements(p, cfg)
-    return {"kt": (kt, p.dtype), "vp": (vp, p.dtype)}
+    out: dict[str, tuple[int, str]] = {}
+    nsplit, _ = split_plan(p, cfg)
+    if nsplit > 1:
+        d = p.derived
+        rows = d["B"] * d["Hq"] * d["Sq"]
+        out["part"] = (rows * nsplit * (max(d["Dv"], 1) + 2), lse_dtype(p.dtype))
+    if packs_kv(p, cfg):
+        kt, vp = _packed_elements(p, cfg)
+        out.update({"kt": (kt, p.dtype), "vp": (vp, p.dtype)})
+    return out
 
 
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
@@ -284,7 +324,8 @@ def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
             "AT_BIAS": int(p.shapes.get("bias") is not None),
             "AT_ALIBI": int(p.shapes.get("alibi_slopes") is not None),
             "AT_CAP": int(p.params.get("softcap") is not None),
-            "AT_WIN": int(p.params.get("window") is not None)}
+            "AT_WIN": int(p.params.get("window") is not None),
+            "AT_SPLIT": int(split_plan(p, cfg)[0] > 1)}
 
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
@@ -308,7 +349,17 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
             Scalar(nqb), Scalar(p.params["scale"], "acc"), Scalar(int(p.params["causal"])),
             Scalar(int(has_mask)), Scalar(ms[0]), Scalar(ms[1]), Scalar(ms[2]), Scalar(ms[3]),
             Scalar(skp), *score_mod_args(p))
-    return pre + [Launch("attention", (d["B"] * d["Hq"] * nqb, 1, 1), (cfg["BQ"], 1, 1), args)]
+    nsplit, chunk = split_plan(p, cfg)
+    part = "part" if nsplit > 1 else "out"  # unwritten without AT_SPLIT
+    args += (Buf(part), Scalar(nsplit), Scalar(chunk))
+    main = Launch("attention", (d["B"] * d["Hq"] * nqb * nsplit, 1, 1), (cfg["BQ"], 1, 1), args)
+    if nsplit == 1:
+        return pre + [main]
+    rows = d["B"] * d["Hq"] * d["Sq"]
+    wg = 64
+    combine = Launch("attention_combine", (cdiv(rows, wg), 1, 1), (wg, 1, 1),
+                     (Buf("part"), Buf("out"), Buf(lse), Scalar(rows), Scalar(nsplit)))
+    return pre + [main, combine]
 
 
 def score_mod_buffers(p: Problem) -> tuple[Buf, Buf]:
@@ -751,6 +802,7 @@ SPEC = KernelSpec(
     defines=defines,
     launches=launches,
     workspace=workspace,
+    fit_device=fit_splits,
     cost=cost,
     tolerance=tolerance,
     statistical=statistical,
@@ -761,11 +813,16 @@ SPEC = KernelSpec(
                       "K/V tile in turn while it is cached"),
               Tunable("VEC", (1, 2, 4, 8, 16), "vector lanes (CPU schedule, OpenCL)"),
               Tunable("PACK_KV", (0, 1), "copy K transposed and V into padded workspaces "
-                      "first; tiles read in place, no barriers (vector path)")),
-    schedules={"gpu": {"BQ": 128, "BK": 16, "TQ": 1, "RQ": 1, "VEC": 1, "PACK_KV": 0},
+                      "first; tiles read in place, no barriers (vector path)"),
+              Tunable("SPLIT", (0, 1, 2, 4, 8, 16, 32, 64, 128), "key ranges per query block "
+                      "(split-K decode, merged by attention_combine); 0: from the device's "
+                      "compute units, 1: none")),
+    schedules={"gpu": {"BQ": 128, "BK": 16, "TQ": 1, "RQ": 1, "VEC": 1, "PACK_KV": 0,
+                       "SPLIT": 0},
                # CPU: RQ=4 (16 queries per item): their scaled rows (4 KiB) and a 16 KiB K
                # tile and V tile stay nearer L1 than with RQ=8 (8 KiB of rows)
-               "cpu": {"BQ": 1, "BK": 64, "TQ": 4, "RQ": 4, "VEC": 16, "PACK_KV": 1}},
+               "cpu": {"BQ": 1, "BK": 64, "TQ": 4, "RQ": 4, "VEC": 16, "PACK_KV": 1,
+                       "SPLIT": 0}},
     xla=xla_build,
     pallas=PallasKernel(pallas_build, tunables=attention_pallas.TUNABLES,
                         aliases={"BQ": "block_q", "BK": "block_k"},

@@ -297,6 +297,14 @@ def lookup(backend: Any, spec: KernelSpec, prob: Problem) -> dict[str, int] | No
     return None
 
 
+def _fitted(backend: Backend, spec: KernelSpec, prob: Problem, cfg: dict[str, int]
+            ) -> dict[str, int]:
+    """``cfg`` with the spec's automatic tunables resolved for this device (fit_device)."""
+    if spec.fit_device is None:
+        return cfg
+    return spec.fit_device(prob, dict(cfg), max(1, int(backend.device.compute_units)))
+
+
 def has_matrix_unit(backend: Backend) -> bool:
     """Whether the device has matrix units a spec's "mma" schedule uses (docs/fragments.md)."""
     return getattr(backend, "matrix_unit", None) is not None
@@ -316,14 +324,14 @@ def config_for(backend: Backend, spec: KernelSpec, prob: Problem,
     schedule for the device class. Tuned lookups are memoised per (backend, spec, tuning
     generation, bucket) in one bounded cache."""
     if overrides:
-        return spec.config(backend.device_class, overrides, prob,
-                           matrix=has_matrix_unit(backend))
+        return _fitted(backend, spec, prob, spec.config(backend.device_class, overrides, prob,
+                                                        matrix=has_matrix_unit(backend)))
     key = (backend, spec.token) + cache_token(prob)
     cfg = _CONFIGS.get(key)
     if cfg is None:
         found = lookup(backend, spec, prob) if backend.uses_tuned_configs else None
-        cfg = found or spec.config(backend.device_class, None, prob,
-                                   matrix=has_matrix_unit(backend))
+        cfg = _fitted(backend, spec, prob, found or spec.config(
+            backend.device_class, None, prob, matrix=has_matrix_unit(backend)))
         with _LOCK:
             _CONFIGS[key] = cfg
     return dict(cfg)

@@ -45,6 +45,11 @@ def _rounded_loads(r) -> str:  # noqa: ANN001
                                                                          f"= {r(_A_LOAD)}")
 
 
+# attention_combine's two loops over the key ranges (the sum of l, the accumulators)
+_COMBINE_L = ("for (int s = 0; s < nsplit; ++s) {\n        const PK_ACC_T ms = part[s * (DV_ + 2)];"
+              "\n        const PK_ACC_T w")
+_COMBINE_ACC = "for (int s = 0; s < nsplit; ++s) {\n            const PK_ACC_T ms"
+
 MUTANTS = {
     "matmul: K loop stops one short": (
         "matmul", "        const int kend = min(kb + KB1, K);\n"
@@ -204,6 +209,14 @@ MUTANTS = {
          "const int brow = b * bs0 + h * bs1 + min(qi, Sq - 1) * bs2;"),
         ("const int brow = b * bs0 + h * bs1;", "const int brow = b * bs0 + h * bs1;"), {},
         "float32"),
+    "attention: split-K's combine drops the last key range": (
+        "attention", (_COMBINE_L, _COMBINE_ACC),
+        (_COMBINE_L.replace("s < nsplit", "s < nsplit - 1"),
+         _COMBINE_ACC.replace("s < nsplit", "s < nsplit - 1")), {"SPLIT": 4, "BK": 16},
+        "float32"),
+    "attention: split-K ranges overlap by a tile": (
+        "attention", "kend = min(kend, split * chunk + chunk);",
+        "kend = min(kend, split * chunk + chunk + BK);", {"SPLIT": 4, "BK": 16}, "float32"),
     # each site in the scalar path (GPU schedule) and in the vector path (CPU schedule)
     "attention_backward: delta missing": (
         "attention_backward",

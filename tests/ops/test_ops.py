@@ -72,6 +72,8 @@ ALTERNATIVE_CONFIGS = {
         {"TQ": 8, "RQ": 1},  # one large block
         {"VEC": 8, "BK": 16, "TQ": 6, "RQ": 2},
         {"VEC": 1, "TQ": 2, "RQ": 2, "BQ": 4, "BK": 16},  # the scalar path, 4 queries per item
+        {"SPLIT": 4, "BK": 16},  # split-K: four key ranges merged by attention_combine
+        {"SPLIT": 2, "VEC": 1, "TQ": 1, "RQ": 1, "BQ": 16, "BK": 8, "PACK_KV": 0},  # GPU path
     ],
 }
 
