@@ -123,7 +123,8 @@ def test_entry_points_with_launch_bounds_are_found() -> None:
            "static void helper(int n) {}\n")
     assert kernel_names(src) == ["plain", "bounded", "nested"]
     assert kernel_names(get_op("matmul").source) == ["matmul_pack_b", "matmul", "matmul_mma"]
-    assert kernel_names(get_op("attention").source) == ["attention_pack_kv", "attention"]
+    names = kernel_names(get_op("attention").source)  # later entry points may follow
+    assert names[:3] == ["attention_pack_kv", "attention", "attention_combine"]
 
 
 # --- a user op that fills the fields gets them used ---------------------------------------
