@@ -246,7 +246,6 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
     PK_LOCAL PK_ACC_T Ss[RB][WG];  /* a tile's scores, then weights */
     PK_LOCAL PK_ACC_T Ms[RB], Ls[RB], Cs[RB];
     PK_ACC_T acc[PA_OPI];
-    #pragma unroll
     for (int t = 0; t < PA_OPI; ++t) acc[t] = (PK_ACC_T)0;
     for (int idx = lid; idx < RB * DQ; idx += WG) {
         const int r = idx / DQ_, d = idx - (idx / DQ_) * DQ_;
@@ -304,7 +303,9 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         }
         PK_BARRIER();
         const int nk = min(WG, k_hi - k0);
+#if PA_OPI <= 16
         #pragma unroll
+#endif
         for (int t = 0; t < PA_OPI; ++t) {
             const int o = lid + t * WG;
             if (o < RB * DV) {
@@ -330,7 +331,9 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         }
     }
 #endif
+#if PA_OPI <= 16 /* registers on a GPU; a CPU item (WG = 1) keeps RB * DV in memory */
     #pragma unroll
+#endif
     for (int t = 0; t < PA_OPI; ++t) {
         const int o = lid + t * WG;
         if (o < RB * DV) {

@@ -443,7 +443,7 @@ def paged_case(ch: Chooser, dtype: str) -> Case:
     d = ch.choice((16, 32, 8))
     dv = d if ch.boolean(0.8) else 16
     bs = ch.choice((16, 4, 5, 1))
-    mb = ch.choice((1, 3, 8, 20))
+    mb = max(ch.choice((1, 3, 8, 20)), -(-sq // bs))  # room for the Sq new tokens
     bt, lens, nb, note = tables(rng, ch, b, mb, bs, sq)
     x = {"q": normal(rng, (b, hq, sq, d), dtype),
          "k": normal(rng, (nb, hkv, bs, d), dtype), "v": normal(rng, (nb, hkv, bs, dv), dtype)}

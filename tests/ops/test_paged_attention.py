@@ -298,3 +298,23 @@ def test_mutant_is_caught(name: str) -> None:
     config = {**SPEC.schedules[be.device_class], **cfg}
     got = pk.call(mutant, **a, backend=be, config=config)
     assert not compare_case(SPEC, Case(a, {}, "mutant"), got, be).ok, f"{name!r} survived"
+
+
+def test_the_wrapper_declares_the_specs_defaults() -> None:
+    from test_api_defaults import test_wrapper_defaults_are_the_specs
+
+    test_wrapper_defaults_are_the_specs("paged_attention")
+
+
+def test_the_decode_recipe_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/decode.md cannot rot: its Python blocks run, in order, in one namespace."""
+    from pathlib import Path
+
+    from test_tutorial import python_blocks
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "decode.md"
+    code = "\n\n".join(python_blocks(doc.read_text()))
+    exec(compile(code, str(doc), "exec"), {"__name__": "decode_recipe"})  # noqa: S102
+    out = capsys.readouterr().out
+    assert "lengths: [5, 40, 100]" in out and "matches pk.attention per sequence" in out
+    assert "block_table[1, 0] = 500 is outside [0, 64)" in out
