@@ -22,6 +22,17 @@ work-item needs ~250 registers: 8 of 64 warps on sm_80/sm_90 (gfx90a: 6 of 32 wa
 capping it at 128 registers would only trade occupancy for spills. Head dims above 64 hold
 more accumulators (fp32 d128: ~250 registers, 12.5%; fp64 d >= 80 spills on NVIDIA) and are
 reported, not held to the floor.
+
+Fragment schedule (tunable MMA, docs/fragments.md): fp16/bf16 on a device with matrix units
+(the "mma" schedule; ``config={"MMA": 1}`` anywhere, emulated where there are none) run
+``attention_mma`` (attention_mma.c): 64 items take 16 queries, S = Q K^T and O += P V are
+16x16x16 tile products with fp32 accumulation, the per-key rules and the online softmax
+stay SIMT. Two differences from the steps above, both in the bounds: the scale multiplies
+the fp32 dot after it (q enters the matrix unit as it is; so for bf16 a row whose unscaled
+|q|.|k| could reach fp32's max is unspecified, the range rule), and the weights P are
+rounded to the input type before P.V (u_storage relative on each weight; fp16's subnormal
+weights add half its smallest subnormal per key). Split-K works as on the SIMT path (ranges
+of whole 16-key tiles). float32/float64 ignore MMA (no TF32).
 """
 
 from __future__ import annotations
@@ -55,6 +66,36 @@ from ._common import broadcast_strides, cdiv, kernel_source, need_rank
 from .attention_math import alibi_distance, keep_matrix, modify_scores
 
 LOCAL_BUDGET_BYTES = 32 * 1024  # K/V tiles must fit this; BK is capped to honour it
+MMA_DTYPES = ("float16", "bfloat16")  # what the fragment schedule takes (TF32 never)
+MMA_BK = 16  # keys per tile of the fragment schedule (attention_mma.c: AM_BK)
+MMA_QUERIES = 16  # queries per work-group of the fragment schedule (one tile's rows)
+MMA_ITEMS = 64  # work-items per group of the fragment schedule (whole waves on every target)
+MMA_LOCAL_LIMIT = 48 * 1024  # CUDA's static shared memory: larger head dims stay SIMT
+
+
+def mma_local_bytes(d: int, dv: int) -> int:
+    """attention_mma's local memory for head dims d, dv (the worst emulation's scratch, 8
+    waves of 1 KiB, included): K and V tiles, S, P, three row vectors, the V row flags."""
+    dqp, dvp = cdiv(max(d, 1), 16) * 16, cdiv(max(dv, 1), 16) * 16
+    return (2 * MMA_BK * (dqp + dvp) + (4 + 2) * 16 * MMA_BK + 3 * 4 * 16 + 4 * MMA_BK
+            + 8 * 1024)
+
+
+def uses_mma(p: Problem, cfg: Mapping[str, int]) -> bool:
+    """Whether the call runs the fragment schedule (``attention_mma``, matrix units or their
+    emulation): MMA=1, fp16/bf16 inputs, and its tiles fit MMA_LOCAL_LIMIT (head dims up to
+    ~700). float32/float64 stay SIMT whatever MMA says (no TF32)."""
+    return (bool(cfg.get("MMA")) and p.dtype in MMA_DTYPES
+            and mma_local_bytes(p.derived["D"], p.derived["Dv"]) <= MMA_LOCAL_LIMIT)
+
+
+def queries_per_group(p: Problem, cfg: Mapping[str, int]) -> int:
+    return MMA_QUERIES if uses_mma(p, cfg) else cfg["BQ"] * cfg["RQ"] * cfg["TQ"]
+
+
+def tile_keys(p: Problem, cfg: Mapping[str, int]) -> int:
+    """Keys per tile of the schedule the call runs (a split-K range is a multiple of it)."""
+    return MMA_BK if uses_mma(p, cfg) else effective_bk(p, cfg)
 
 
 def semantics(xp: Any, q: Any, k: Any, v: Any, mask: Any = None, bias: Any = None,
@@ -254,6 +295,8 @@ def packs_kv(p: Problem, cfg: Mapping[str, int]) -> bool:
     scalar path, which ignores the copies: the GPU schedule has PACK_KV=0."""
     if not cfg.get("PACK_KV") or cfg["VEC"] <= 1 or p.info.storage != p.info.compute:
         return False
+    if uses_mma(p, cfg):
+        return False
     if p.derived["Sk"] == 0:  # nothing to pack (a call that runs with Sk = 0 returns lse)
         return False
     if effective_bk(p, cfg) % cfg["VEC"]:
@@ -279,7 +322,7 @@ def split_plan(p: Problem, cfg: Mapping[str, int]) -> tuple[int, int]:
     there are fewer tiles). SPLIT = 0 (automatic) is resolved for the device by
     ``fit_splits`` before a call runs; a raw config (tools without a device) reads it as 1."""
     d = p.derived
-    bk = effective_bk(p, cfg)
+    bk = tile_keys(p, cfg)
     tiles = cdiv(max(d["Sk"], 1), bk)
     want = max(1, min(cfg.get("SPLIT", 1), tiles))
     per = cdiv(tiles, want)
@@ -295,8 +338,8 @@ def fit_splits(p: Problem, cfg: dict[str, int], compute_units: int) -> dict[str,
     if cfg.get("SPLIT") != 0:
         return cfg
     d = p.derived
-    tiles = cdiv(max(d["Sk"], 1), effective_bk(p, cfg))
-    groups = d["B"] * d["Hq"] * cdiv(d["Sq"], cfg["BQ"] * cfg["RQ"] * cfg["TQ"])
+    tiles = cdiv(max(d["Sk"], 1), tile_keys(p, cfg))
+    groups = d["B"] * d["Hq"] * cdiv(d["Sq"], queries_per_group(p, cfg))
     want = min(cdiv(SPLIT_GROUPS_PER_UNIT * compute_units, max(groups, 1)),
                tiles // SPLIT_MIN_TILES, 128)
     cfg["SPLIT"] = 1 << (max(want, 1).bit_length() - 1)
@@ -325,12 +368,15 @@ def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
             "AT_ALIBI": int(p.shapes.get("alibi_slopes") is not None),
             "AT_CAP": int(p.params.get("softcap") is not None),
             "AT_WIN": int(p.params.get("window") is not None),
-            "AT_SPLIT": int(split_plan(p, cfg)[0] > 1)}
+            "AT_SPLIT": int(split_plan(p, cfg)[0] > 1),
+            "AT_MMA": int(uses_mma(p, cfg)), "AM_BK": MMA_BK,
+            "AM_BF16": int(p.dtype == "bfloat16")}
 
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     d = p.derived
-    nqb = cdiv(d["Sq"], cfg["BQ"] * cfg["RQ"] * cfg["TQ"])
+    mma = uses_mma(p, cfg)
+    nqb = cdiv(d["Sq"], queries_per_group(p, cfg))
     ms = d["mask_strides"]
     has_mask = p.shapes["mask"] is not None
     packed = packs_kv(p, cfg)
@@ -352,7 +398,12 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     nsplit, chunk = split_plan(p, cfg)
     part = "part" if nsplit > 1 else "out"  # unwritten without AT_SPLIT
     args += (Buf(part), Scalar(nsplit), Scalar(chunk))
-    main = Launch("attention", (d["B"] * d["Hq"] * nqb * nsplit, 1, 1), (cfg["BQ"], 1, 1), args)
+    if mma:  # the fragment schedule (attention_mma.c): 16 queries per group of 64 items
+        main = Launch("attention_mma", (d["B"] * d["Hq"] * nqb * nsplit, 1, 1),
+                      (MMA_ITEMS, 1, 1), args)
+    else:
+        main = Launch("attention", (d["B"] * d["Hq"] * nqb * nsplit, 1, 1), (cfg["BQ"], 1, 1),
+                      args)
     if nsplit == 1:
         return pre + [main]
     rows = d["B"] * d["Hq"] * d["Sq"]
@@ -441,7 +492,7 @@ def _bounds(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray, lse: np.ndarr
     s_all = np.matmul(qs, np.swapaxes(k, -1, -2))  # with the non-finite terms: NaN, +-inf
     s = np.matmul(qf, np.swapaxes(kf, -1, -2))
     mag = np.matmul(np.abs(qf), np.swapaxes(np.abs(kf), -1, -2))
-    es = (2.0 * d["D"] * u) * mag + 2.0 * u * np.abs(s)
+    es = (_dot_gamma(p) * u) * mag + 2.0 * u * np.abs(s)
     s, es, s_mod = _modified(p, x, s, es, s_all, u)
     keep_f = keep & np.isfinite(s_mod)  # the keys a finite row weighs (a -inf score drops one)
     s = np.where(keep_f, s, -np.inf)
@@ -456,6 +507,10 @@ def _bounds(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray, lse: np.ndarr
     rel = 2.0 * e_max + u * (2.0 * dist + 3.0 * d["Sk"] + 2.0 * d["Dv"] + 16.0)
     w = np.matmul(pr, np.abs(vf))
     floor = p.info.subnormal + 4.0 * d["Sk"] * float(np.finfo(p.info.compute).tiny)
+    if p.dtype in MMA_DTYPES:  # the fragment schedule may run (_mma_terms)
+        pv_rel, eta = _mma_terms(p)
+        rel = rel + pv_rel
+        floor = floor + eta * np.matmul(keep_f, np.abs(vf)) / np.where(dead, 1.0, den)
     bound = w * rel + p.info.unit_roundoff * np.abs(ref) + floor
     bound = np.where(np.isnan(ref), 0.0, bound)
     loose = unspecified(p, q, k, vf, keep, mag, s_all) | _mods_overflow(p, x, keep, mag)
@@ -466,6 +521,38 @@ def _bounds(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray, lse: np.ndarr
             if d["Sk"] else np.zeros(lse.shape)
     lb = np.where(np.isfinite(lse), lb, 0.0)  # NaN and -inf: exactly those
     return np.where(loose, np.inf, bound), np.where(loose.any(axis=-1), np.inf, lb)
+
+
+def _dot_gamma(p: Problem) -> float:
+    """A score's dot-product error in units of u x |scale q|.|k|: 2D (any order, FMA or not;
+    factor 2: the scale's rounding into q, and slack) on the SIMT paths. fp16/bf16 may run the
+    fragment schedule (attention_mma.c), whose D/16 tile products each err by at most 36u of
+    their terms' magnitude on any matrix unit (matmul's _mma_gamma: aligned, truncated
+    internal sums), the scale applied after in fp32 (its rounding: the 2u|s| term)."""
+    d = max(p.derived["D"], 1)
+    if p.dtype in MMA_DTYPES:
+        return max(2.0 * d, 36.0 * cdiv(d, 16))
+    return 2.0 * d
+
+
+def _mma_terms(p: Problem) -> tuple[float, float]:
+    """The fragment schedule's extra output error, fp16/bf16 (attention_mma.c):
+
+    * P.V on matrix units: O accumulates ceil(Sk/16) + 1 tile products at most (keys in
+      tiles of 16, one partial tile), each within 36u of its terms' magnitude (<= l W, the
+      unnormalised weighted sum), rescales counted in the SIMT terms: 36u (ceil(Sk/16) + 1)
+      relative to W.
+    * P is rounded to the input type before P.V (l sums the unrounded fp32 p): each weight
+      errs by u_storage of itself, so u_storage W, plus, where fp16 rounds a small weight
+      into its subnormals, half its smallest subnormal (eta) per attended key, divided by l
+      (>= 1, the oracle's den): eta sum_attended |v| / den (eta is 2^-25 for fp16,
+      ~2^-134 for bf16).
+    Returns (relative term on W, eta)."""
+    u = u_of(p)
+    sk = p.derived["Sk"]
+    rel = 36.0 * u * (cdiv(sk, 16) + 1) + p.info.unit_roundoff
+    eta = float(np.finfo(p.info.storage).smallest_subnormal) / 2.0
+    return rel, eta
 
 
 def _modified(p: Problem, x: dict[str, np.ndarray], s: np.ndarray, es: np.ndarray,
@@ -542,6 +629,12 @@ def unspecified(p: Problem, q: np.ndarray, k: np.ndarray, vf: np.ndarray, keep: 
         s_fin = np.where(np.isfinite(s_all), s_all, 0.0)
         part = 0.5 * (mag + np.abs(np.where(np.isfinite(mag), s_fin, 0.0)))
         over_s = np.any(keep & (part * (1.0 + 2.0 * (d + 1) * u) >= big), axis=-1)
+        if p.dtype in MMA_DTYPES:
+            # the fragment schedule multiplies by the scale after the dot (attention_mma.c):
+            # its unscaled parts must fit too. Only bf16 can get there (fp16's products are
+            # at most 65504^2): a row whose |q|.|k| could reach fp32's max is unspecified
+            raw = part / p.params["scale"]
+            over_s |= np.any(keep & (raw * (1.0 + 2.0 * (d + 1) * u) >= big), axis=-1)
         qc = q.astype(ct) * ct.type(p.params["scale"])  # one rounding, as the kernels do
         fin = np.isfinite(q)
         over_q = np.any(fin & ~np.isfinite(qc), axis=-1)
@@ -567,6 +660,10 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
       E u): proxy u^2 (Sk (1 + E^2) + 1)(W_d^2 + o_d^2); output rounding u_out |o_d|.
     * deterministic (slack): s_j - m rounding and exp (u (|s_j - m| + E) per weight), the
       scale product (u |s_j|), the final division: u (2 max|s| + dist + E + 4)(W_d + |o_d|).
+    * fp16/bf16 (the fragment schedule, attention_mma.c, may run): P rounded to the input
+      type, proxy u_s^2 sum_j p_j^2 v_jd^2; fp16's subnormal weights in the slack
+      (_mma_terms). The matrix units' internal sums are modelled as fp32 roundings (what
+      the emulation does); their truncation is in the worst-case bound only.
 
     One group per query row (its elements share the row's weights)."""
     from ..core.statmodel import StatModel
@@ -595,11 +692,22 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
         score_var = 2.0 * (np.matmul(c, v * v) + o * o * c.sum(axis=-1, keepdims=True))
         sk_term = d["Sk"] * (1.0 + STAT_EXP_ERR ** 2) + 1.0
         sigma2 = u * u * sk_term * (w * w + o * o) + score_var + (p.info.unit_roundoff * o) ** 2
+        if p.dtype in MMA_DTYPES:
+            # the fragment schedule rounds each weight to the input type before P.V
+            # (independent, mean zero, <= u_storage p_j): proxy u_s^2 sum_j p_j^2 v_jd^2
+            us = p.info.unit_roundoff
+            vf = np.where(np.isfinite(v), v, 0.0)
+            sigma2 = sigma2 + us * us * np.matmul(pr * pr, vf * vf)
         sabs = np.where(keep, np.abs(s), 0.0).max(axis=-1, keepdims=True) if d["Sk"] else 0.0
         dist = (np.where(keep, np.abs(s - np.where(dead, 0, mx)), 0.0).max(axis=-1, keepdims=True)
                 if d["Sk"] else 0.0)
         e_mod = (np.where(keep, es_mod, 0.0).max(axis=-1, keepdims=True) if d["Sk"] else 0.0)
         slack = (u * (2.0 * sabs + dist + STAT_EXP_ERR + 4.0) + 2.0 * e_mod) * (w + o)
+        if p.dtype in MMA_DTYPES:  # fp16's subnormal weights (_mma_terms' eta)
+            eta = _mma_terms(p)[1]
+            den = np.where(dead, 1.0, e.sum(axis=-1, keepdims=True))
+            vf = np.where(np.isfinite(v), v, 0.0)
+            slack = slack + eta * np.matmul(keep.astype(np.float64), np.abs(vf)) / den
     floor = p.info.subnormal + 4.0 * d["Sk"] * float(np.finfo(p.info.compute).tiny)
     return StatModel(np.sqrt(sigma2), slack + floor, (-1,))
 
@@ -797,7 +905,8 @@ SPEC = KernelSpec(
             "softcap": None},
     validate=validate,
     semantics=semantics,
-    source=kernel_source("vexp.c", "attention_mods.c", "attention.c"),
+    source=kernel_source("mma.c", "vexp.c", "attention_mods.c", "attention.c",
+                         "attention_mma.c"),
     slots=lambda p: {"T": p.dtype},
     defines=defines,
     launches=launches,
@@ -816,13 +925,20 @@ SPEC = KernelSpec(
                       "first; tiles read in place, no barriers (vector path)"),
               Tunable("SPLIT", (0, 1, 2, 4, 8, 16, 32, 64, 128), "key ranges per query block "
                       "(split-K decode, merged by attention_combine); 0: from the device's "
-                      "compute units, 1: none")),
+                      "compute units, 1: none"),
+              Tunable("MMA", (0, 1), "fp16/bf16: the fragment schedule (attention_mma.c: "
+                      "matrix units, or their emulation where the device has none); "
+                      "float32/float64 ignore it (no TF32)")),
     schedules={"gpu": {"BQ": 128, "BK": 16, "TQ": 1, "RQ": 1, "VEC": 1, "PACK_KV": 0,
-                       "SPLIT": 0},
+                       "SPLIT": 0, "MMA": 0},
                # CPU: RQ=4 (16 queries per item): their scaled rows (4 KiB) and a 16 KiB K
                # tile and V tile stay nearer L1 than with RQ=8 (8 KiB of rows)
                "cpu": {"BQ": 1, "BK": 64, "TQ": 4, "RQ": 4, "VEC": 16, "PACK_KV": 1,
-                       "SPLIT": 0}},
+                       "SPLIT": 0, "MMA": 0},
+               # a device with matrix units (CUDA sm_80+, HIP CDNA/RDNA3, Intel's extension):
+               # the gpu schedule, and fp16/bf16 through the fragment API (attention_mma.c)
+               "mma": {"BQ": 128, "BK": 16, "TQ": 1, "RQ": 1, "VEC": 1, "PACK_KV": 0,
+                       "SPLIT": 0, "MMA": 1}},
     xla=xla_build,
     pallas=PallasKernel(pallas_build, tunables=attention_pallas.TUNABLES,
                         aliases={"BQ": "block_q", "BK": "block_k"},
