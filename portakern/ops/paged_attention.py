@@ -308,7 +308,8 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     bs = d["bias_strides"]
     split = ns > 1
     ws = ("pm", "pl", "pa") if split else ("out", "out", "out")  # unwritten when unsplit
-    args = (Buf("q"), Buf("k_cache"), Buf("v_cache"), Buf("block_table"), Buf("seq_lens"),
+    args: tuple[Buf | Scalar, ...] = (
+            Buf("q"), Buf("k_cache"), Buf("v_cache"), Buf("block_table"), Buf("seq_lens"),
             Buf("bias" if p.shapes.get("bias") is not None else "q"),
             Buf("alibi_slopes" if p.shapes.get("alibi_slopes") is not None else "q"),
             Buf("out"), *(Buf(n) for n in ws),
@@ -362,7 +363,7 @@ def as_attention(p: Problem, x: Mapping[str, np.ndarray]
     xa: dict[str, np.ndarray] = {"q": x["q"], "k": k, "v": v, "mask": keep}
     if total is not None:
         xa["bias"] = total
-    metas = {n: ArrayMeta(a.shape, p.dtype) for n, a in xa.items()}
+    metas: dict[str, ArrayMeta | None] = {n: ArrayMeta(a.shape, p.dtype) for n, a in xa.items()}
     metas["mask"] = ArrayMeta(keep.shape, "bool")
     metas.setdefault("bias", None)
     params = {"causal": False, "scale": p.params["scale"], "return_lse": False,
@@ -384,7 +385,7 @@ def as_attention(p: Problem, x: Mapping[str, np.ndarray]
 def _vmax(xa: Mapping[str, np.ndarray], g: int) -> np.ndarray:
     """max |v| over each sequence's attended keys, (B, Hq, 1, Dv): bounds sum_j p_j |v_j|."""
     v = np.repeat(np.where(np.isfinite(xa["v"]), np.abs(xa["v"]), 0.0), g, axis=1)
-    keep = xa["mask"].any(axis=2)[..., None]  # (B, 1, Sk, 1)
+    keep = np.asarray(xa["mask"].any(axis=2))[..., None]  # (B, 1, Sk, 1)
     return np.where(keep, v, 0.0).max(axis=2, keepdims=True) if v.shape[2] else \
         np.zeros(v.shape[:2] + (1, v.shape[3]))
 
