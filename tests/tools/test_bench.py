@@ -1802,3 +1802,46 @@ def test_attention_backward_memory_record_and_table(kernel_target: str) -> None:
     md = report.run_markdown(_result("h", kernel_target, "2024-01-01T00:00:00", [rec]))
     row = next(line for line in md.splitlines() if "| attention_backward |" in line)
     assert "B1 H8 S4096 D64" in row and "= 2x ours" in row and "GiB" in row
+
+
+# --- decode rows (issue 29): paged_attention ------------------------------------------------------
+def test_quick_suite_has_the_decode_rows_split_beside_unsplit() -> None:
+    rows = [c for c in suites.suite_cases("quick") if c.op == "paged_attention"]
+    assert {c.dtype for c in rows} == {"float16"}  # an fp16 cache unless --dtypes says
+    got = {(c.size["B"], c.size["ctx"], c.size["split"]) for c in rows}
+    assert got == {(b, ctx, s) for b in (1, 8) for ctx in (4096, 32768) for s in (1, 8)}
+    assert all((c.size["Hq"], c.size["Hkv"], c.size["D"]) == (32, 8, 128) for c in rows)
+    one = next(c for c in rows if c.size["B"] == 1 and c.size["ctx"] == 32768
+               and c.size["split"] == 8)
+    assert one.label == "B1 H32 kv8 D128 ctx32768 split8"
+    assert suites.bench_config(one) == {"SPLIT": 8}
+    assert "unsplit row" in (suites.peer_skip(one) or "")
+    big = next(c for c in rows if c.size["B"] == 8 and c.size["ctx"] == 32768
+               and c.size["split"] == 1)
+    assert "GiB" in (suites.peer_skip(big) or "")  # the gathered cache would not fit
+    assert suites.bench_config(suites.BenchCase("softmax", "float32", {"rows": 1, "cols": 1})) \
+        is None
+    # --dtypes still decides when given
+    assert {c.dtype for c in suites.suite_cases("quick", ("paged_attention",),
+                                                ("float32",))} == {"float32"}
+
+
+def test_decode_inputs_are_valid_tables_and_the_peer_agrees() -> None:
+    """A small decode case: full sequences over a permuted pool, accepted by the tables'
+    check; the numpy semantics peer (int tables passed as ints) agrees with the oracle."""
+    from portakern.tools.bench import numpy_worker
+
+    case = suites.BenchCase("paged_attention", "float16", {"B": 2, "Hq": 4, "Hkv": 2, "D": 16,
+                                                          "ctx": 64, "BS": 16, "split": 1})
+    x = suites.make_inputs(case)
+    assert x["block_table"].dtype == np.int32 and x["seq_lens"].tolist() == [64, 64]
+    assert sorted(x["block_table"].ravel().tolist()) == list(range(8))  # a permutation
+    assert x["k_cache"].shape == (8, 2, 16, 16) and x["q"].shape == (2, 4, 1, 16)
+    import portakern as pk
+
+    want = pk.paged_attention(*(x[n] for n in suites.operand_names("paged_attention")
+                                if x[n] is not None), backend="numpy")
+    fn, what = numpy_worker.semantics_peer(case, x)
+    np.testing.assert_allclose(fn().astype(np.float32), want.astype(np.float32), rtol=1e-2,
+                               atol=1e-3)
+    assert "spec.semantics(numpy" in what

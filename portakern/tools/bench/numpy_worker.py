@@ -152,7 +152,8 @@ def _numpy_attention_backward(x: dict[str, np.ndarray], params: dict[str, Any]
     return attention_backward
 
 
-TORCH_OPS = ("matmul", "softmax", "attention", "attention_backward", "rmsnorm")
+TORCH_OPS = ("matmul", "softmax", "attention", "attention_backward", "rmsnorm",
+             "paged_attention")
 TORCH_WHAT = {
     "matmul": "torch.matmul(a, b) on CPU tensors sharing the numpy inputs' memory",
     "softmax": "torch.softmax(x, dim=-1)",
@@ -165,6 +166,11 @@ TORCH_WHAT = {
     "rmsnorm": "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight (the LLaMA "
                "RMSNorm module's expression; torch 2.13's F.rms_norm took ~30 ms for 64x4096 "
                "here, 100x slower, so it would flatter us)",
+    "paged_attention": "the pages gathered by indexing, k_cache[block_table] (an fp16 cache "
+                       "gathered in fp16, then cast to float32: torch's CPU SDPA has no fast "
+                       "fp16 path), then F.scaled_dot_product_attention(q, k, v, scale=..., "
+                       "enable_gqa=True): every sequence of the benchmark full and Sq = 1, so "
+                       "no mask is needed",
 }
 _TORCH: dict[str, Any] = {}
 
@@ -256,6 +262,11 @@ def build_torch(case: Any, x: dict[str, np.ndarray | None]) -> tuple[Callable[[]
             return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
         info["sdpa_kernels"] = sdpa_kernels(torch, fn)
         info["enable_gqa"] = gqa
+    elif op == "paged_attention":
+        paged = _torch_paged(torch, t, params)
+
+        def fn() -> object:
+            return paged()
     elif op == "rmsnorm":
         xs, w = t["x"], t["weight"]
         eps = float(params.get("eps", 1e-6))
@@ -266,6 +277,25 @@ def build_torch(case: Any, x: dict[str, np.ndarray | None]) -> tuple[Callable[[]
         raise ValueError(f"torch peer: no expression for op {op!r}; expected one of "
                          f"{', '.join(TORCH_OPS)}.")
     return fn, info
+
+
+def _torch_paged(torch: Any, t: dict[str, Any], params: dict[str, Any]) -> Callable[[], object]:
+    """Decode on the gathered cache (TORCH_WHAT["paged_attention"]): full sequences, Sq = 1."""
+    F = torch.nn.functional
+    q, kc, vc = t["q"], t["k_cache"], t["v_cache"]
+    bt = t["block_table"].long()
+    B, Hq, _, D = q.shape
+    Hkv, BS = kc.shape[1], kc.shape[2]
+    keys = bt.shape[1] * BS
+    scale = float(params.get("scale") or (1.0 / math.sqrt(D)))
+    up = torch.float32 if q.dtype == torch.float16 else q.dtype
+
+    def fn() -> object:
+        k = kc[bt].transpose(1, 2).reshape(B, Hkv, keys, D).to(up)
+        v = vc[bt].transpose(1, 2).reshape(B, Hkv, keys, vc.shape[-1]).to(up)
+        return F.scaled_dot_product_attention(q.to(up), k, v, scale=scale,
+                                              enable_gqa=Hq != Hkv)
+    return fn
 
 
 def known_ops() -> dict[str, str]:
@@ -307,7 +337,8 @@ def build_request(req: dict[str, Any]) -> Built | dict[str, Any]:
         if case.op not in TORCH_OPS:
             return not_run("not_applicable", f"no torch expression for {case.op}",
                            what).as_dict()
-        if case.dtype not in ("float32", "float64", "bfloat16"):
+        if case.dtype not in ("float32", "float64", "bfloat16") \
+                and case.op != "paged_attention":  # it gathers in fp16, then casts
             return not_run("unavailable", f"torch's CPU kernels for {case.dtype} are not its "
                            "fast path (no fp16 GEMM/SDPA worth comparing on x86)",
                            what).as_dict()

@@ -51,7 +51,7 @@ from ...ops import get_op
 from . import semantics_peer
 from .numpy_worker import TORCH_OPS
 from .semantics_peer import has_handwritten_peers
-from .suites import BenchCase, operand_names
+from .suites import BenchCase, operand_names, peer_skip
 from .timing import Measurement, Sampler, TimingConfig, not_run, prepare, run_rounds
 
 PEER_KEYS = ("numpy", "torch", "xla", "clblast", "cublas", "cupy", "cudnn")
@@ -610,6 +610,9 @@ class Peers:
         runner = runners.get(key)
         if runner is None:
             return not_run("unavailable", f"peer {key!r} has no runner")
+        skip = peer_skip(case)
+        if skip:
+            return not_run("not_applicable", skip)
         try:
             return runner()
         except KeyboardInterrupt:

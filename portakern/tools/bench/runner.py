@@ -48,7 +48,15 @@ from .interrupt import LATCH
 from .peers import NUMPY_PEER, PEER_NAMES, Peers, missing_promised, own_jax_device, peer_name
 from .probes import Roofline, combine, lift, probe_jax, probe_kernel_backend
 from .report import CONTENTION_NOTE, HOST_COLUMNS, fmt_time
-from .suites import TIMING, BenchCase, make_inputs, metadata_inputs, operand_names, suite_cases
+from .suites import (
+    TIMING,
+    BenchCase,
+    bench_config,
+    make_inputs,
+    metadata_inputs,
+    operand_names,
+    suite_cases,
+)
 from .timing import Measurement, Sampler, TimingConfig, not_run, prepare, run_rounds
 
 SCHEMA = "portakern-bench/1"
@@ -223,9 +231,12 @@ def measure_ours(be: Backend, case: BenchCase, native: Mapping[str, Any], timing
             "output allocation and kernel, synchronised")
     args = [native.get(n) for n in operand_names(case.op)]  # None: absent optional operand
     compile_s, kcfg, cached = None, None, False
+    forced = bench_config(case)  # e.g. a decode row's number of key splits
+    if forced:
+        what += f", config={forced}"
     if isinstance(be, KernelBackend):
         prob = spec.problem(*spec.bind(args, dict(case.params)))
-        kcfg = configs.config_for(be, spec, prob, None)
+        kcfg = configs.config_for(be, spec, prob, forced)
         known = len(getattr(be, "_kernels", None) or {})
         t0 = time.perf_counter()
         be.kernels_for(spec, prob, kcfg)  # compile (or load from the driver's cache) untimed
@@ -234,7 +245,7 @@ def measure_ours(be: Backend, case: BenchCase, native: Mapping[str, Any], timing
     holder: dict[str, Any] = {}
 
     def fn() -> None:
-        holder["r"] = call(case.op, *args, backend=be, **case.params)
+        holder["r"] = call(case.op, *args, backend=be, config=forced, **case.params)
 
     p = prepare(fn, _sync_with(be, holder), timing, what=what)
     if compile_s is not None:

@@ -9,8 +9,9 @@ from the plain expression on the vendor's own stack" is a fair question for any 
 
 Dtypes: like portakern's kernels, the semantics compute in the compute dtype (float32 for
 float16/bfloat16 inputs): inputs are cast up and the result cast back to the storage dtype
-*inside* the timed call, because a user of that library has to do the same; bool operands are
-passed unchanged and absent optional operands as None. The record's ``what`` says all of it.
+*inside* the timed call, because a user of that library has to do the same; bool operands and
+int32 index tables are passed unchanged and absent optional operands as None. The record's
+``what`` says all of it.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def semantics_call(spec: KernelSpec, xp: Any, arrays: Sequence[Any], params: dic
         return f
 
     def f_cast() -> Any:
-        up = [x if x is None or k == "bool" else x.astype(compute)
+        up = [x if x is None or k in ("bool", "int32") else x.astype(compute)
               for x, k in zip(args, kinds, strict=True)]
         return semantics(xp, *up, **params).astype(storage)
     return f_cast

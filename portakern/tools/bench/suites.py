@@ -34,6 +34,13 @@ from .timing import TimingConfig
 BUILTIN_SIZE_OPS = ("matmul", "softmax", "attention", "attention_backward")
 # ops whose sizes are attention's B/H/S/D record
 ATTENTION_OPS = ("attention", "attention_backward")
+# ops whose sizes are a decode record (B, Hq, Hkv, D, ctx, BS, split): paged KV caches
+PAGED_OPS = ("paged_attention",)
+# the dtype a suite runs an op in when the command line names none (decode: an fp16 cache)
+OP_DTYPES = {"paged_attention": ("float16",)}
+# the unfused peers gather the cache and repeat it to every query head in the compute type:
+# beyond this many bytes of that they are not run (B8 at 32768 tokens would need ~9 GB)
+PAGED_PEER_BYTES = 2 << 30
 # ``full`` adds the spec's example scaled to about this many elements in its largest operand
 DERIVED_FULL_ELEMENTS = (1 << 24, 1 << 26)
 
@@ -85,6 +92,8 @@ class BenchCase:
 
 def size_label(op: str, size: dict[str, Any], params: dict[str, Any]) -> str:
     """A short, unique, human-readable name of a size (used as the case key in reports)."""
+    if op in PAGED_OPS:
+        return paged_label(size)
     if op not in BUILTIN_SIZE_OPS:
         return generic_label(op, size, params)
     if op == "matmul":
@@ -109,6 +118,39 @@ def size_label(op: str, size: dict[str, Any], params: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(size.items()))
 
 
+def paged_label(size: dict[str, Any]) -> str:
+    """``B1 H32 kv8 D128 ctx32768 unsplit`` / ``... split8``: a decode step over a paged
+    cache of ``ctx`` tokens per sequence, the kernel's key splits forced (1: none)."""
+    n = int(size.get("split", 0))
+    how = "unsplit" if n == 1 else f"split{n}" if n else "split auto"
+    return (f"B{size['B']} H{size['Hq']} kv{size['Hkv']} D{size['D']} ctx{size['ctx']} "
+            f"{how}")
+
+
+def bench_config(case: BenchCase) -> dict[str, int] | None:
+    """Tunables a case forces on portakern's kernel (decode rows: the number of splits)."""
+    if case.op in PAGED_OPS and int(case.size.get("split", 0)):
+        return {"SPLIT": int(case.size["split"])}
+    return None
+
+
+def peer_skip(case: BenchCase) -> str | None:
+    """Why the peers do not run on a case (None: they do). Decode rows: a forced split row
+    shares its peers with the unsplit row beside it (the peers do not split), and the
+    unfused peers' gathered, head-repeated cache must fit PAGED_PEER_BYTES."""
+    if case.op not in PAGED_OPS:
+        return None
+    s = case.size
+    if int(s.get("split", 1)) != 1:
+        return "the peers of this decode case are on its unsplit row (they do not split)"
+    nbytes = 2 * s["B"] * s["Hq"] * s["ctx"] * s["D"] * dtypes.info(case.dtype).compute.itemsize
+    if nbytes > PAGED_PEER_BYTES:
+        return (f"the unfused peers would gather and repeat the cache to {s['Hq']} heads in "
+                f"{dtypes.info(case.dtype).compute.name}: {nbytes / 2**30:.1f} GiB, more than "
+                f"the {PAGED_PEER_BYTES >> 30} GiB this suite allows them")
+    return None
+
+
 def generic_label(op: str, size: dict[str, Any], params: dict[str, Any]) -> str:
     """``x=64x4096 weight=4096``: each present operand's shape, then the parameters that
     differ from the spec's defaults (two cases of one op differ in one of those)."""
@@ -131,6 +173,11 @@ def generic_label(op: str, size: dict[str, Any], params: dict[str, Any]) -> str:
 def shapes(case: BenchCase) -> dict[str, tuple[int, ...]]:
     """Shapes of a case's present operands, in the op's operand order."""
     s = case.size
+    if case.op in PAGED_OPS:
+        mb = s["ctx"] // s["BS"]
+        pool = (s["B"] * mb, s["Hkv"], s["BS"], s["D"])
+        return {"q": (s["B"], s["Hq"], 1, s["D"]), "k_cache": pool, "v_cache": pool,
+                "block_table": (s["B"], mb), "seq_lens": (s["B"],)}
     if case.op not in BUILTIN_SIZE_OPS:
         return {n: tuple(int(d) for d in s[n]) for n in operand_names(case.op)
                 if s.get(n) is not None}
@@ -169,6 +216,10 @@ def make_inputs(case: BenchCase) -> dict[str, np.ndarray | None]:
             out[o.name] = rng.random(s) < 0.5
         elif o.kind == "acc":  # e.g. a log-sum-exp: in the compute type
             out[o.name] = rng.standard_normal(s).astype(dtypes.info(case.dtype).compute)
+        elif o.kind == "int32":
+            out[o.name] = paged_table(rng, o.name, s, case)
+        elif case.op in PAGED_OPS and o.name.endswith("_cache"):
+            out[o.name] = big_normal(rng, s, st)
         else:
             x = rng.standard_normal(s, dtype=np.float32)
             out[o.name] = x if st == np.float32 else x.astype(st)
@@ -177,6 +228,30 @@ def make_inputs(case: BenchCase) -> dict[str, np.ndarray | None]:
         assert q is not None and k is not None and v is not None
         out["o"], out["lse"] = host_forward(q, k, v, case.dtype, case.params.get("scale"))
     return out
+
+
+def paged_table(rng: np.random.Generator, name: str, shape: tuple[int, ...],
+                case: BenchCase) -> np.ndarray:
+    """A decode case's int tables: every sequence full (seq_lens = ctx), its pages a random
+    permutation of the pool (a fragmented cache: no two consecutive pages adjacent)."""
+    if case.op not in PAGED_OPS:
+        return np.zeros(shape, np.int32)
+    if name == "seq_lens":
+        return np.full(shape, case.size["ctx"], np.int32)
+    return rng.permutation(int(np.prod(shape))).reshape(shape).astype(np.int32)
+
+
+def big_normal(rng: np.random.Generator, shape: tuple[int, ...], storage: Any) -> np.ndarray:
+    """A large operand from 2^20 standard normal values repeated (a cache of 10^8 values is
+    filled in a fraction of a second; its values do not change a timing)."""
+    n = int(np.prod(shape))
+    m = min(n, 1 << 20)
+    base = rng.standard_normal(m, dtype=np.float32).astype(storage)
+    out = np.empty(n, storage)
+    whole = n // m * m
+    out[:whole].reshape(-1, m)[:] = base  # one broadcast copy
+    out[whole:] = base[:n - whole]
+    return out.reshape(shape)
 
 
 def host_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, dtype: str,
@@ -339,7 +414,8 @@ def metadata_inputs(case: BenchCase) -> list[Any]:
     shp = shapes(case)
     acc = dtypes.info(case.dtype).compute
     return [None if shp.get(o.name) is None else
-            _Meta(shp[o.name], bool if o.kind == "bool" else acc if o.kind == "acc" else st)
+            _Meta(shp[o.name], bool if o.kind == "bool" else acc if o.kind == "acc" else
+                  np.int32 if o.kind == "int32" else st)
             for o in get_op(case.op).operands]
 
 
@@ -351,6 +427,11 @@ def _mm(n: int, m: int | None = None, k: int | None = None, batch: tuple[int, ..
 def _att(s: int, d: int = 64, b: int = 1, h: int = 8, hkv: int | None = None,
          sk: int | None = None) -> dict[str, Any]:
     return {"B": b, "Hq": h, "Hkv": hkv or h, "Sq": s, "Sk": sk or s, "D": d, "Dv": d}
+
+
+def _paged(b: int, ctx: int, split: int, h: int = 32, hkv: int = 8, d: int = 128,
+           bs: int = 16) -> dict[str, Any]:
+    return {"B": b, "Hq": h, "Hkv": hkv, "D": d, "ctx": ctx, "BS": bs, "split": split}
 
 
 # (size, params) per op and suite, smallest first (``--limit N`` keeps the first N).
@@ -365,6 +446,9 @@ SIZES: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {
                       (_att(4096), {"causal": True})],
         # the S=4096 backward carries issue 28's target (<= 1.0x the unfused chain's time)
         "attention_backward": [(_att(1024), {"causal": False}), (_att(4096), {"causal": False})],
+        # decode (issue 29): Llama-3-8B's heads, an fp16 cache, unsplit and split side by side
+        "paged_attention": [(_paged(b, ctx, split), {}) for ctx in (4096, 32768)
+                            for b in (1, 8) for split in (1, 8)],
     },
     "full": {
         "matmul": [(_mm(n), {}) for n in (128, 256, 512, 1024, 2048, 4096, 8192)]
@@ -378,6 +462,8 @@ SIZES: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {
                                                     {"causal": False}),
            (_att(2048, b=4, h=16), {"causal": False}), (_att(4096), {"causal": True})],
         "attention_backward": [(_att(s), {"causal": False}) for s in (1024, 4096)],
+        "paged_attention": [(_paged(b, ctx, split), {}) for ctx in (4096, 32768)
+                            for b in (1, 8, 32) for split in (1, 0)],
     },
 }
 
@@ -429,7 +515,7 @@ def suite_cases(suite: str, ops: tuple[str, ...] | None = None,
                 raise
             skipped[op] = str(exc)
             continue
-        for dt in dts:
+        for dt in (dts if dtype_list or suite == "full" else OP_DTYPES.get(op, dts)):
             entries = sizes[:limit] if limit else sizes
             for size, params in entries:
                 cases.append(BenchCase(op, dtypes.info(dt).name, dict(size), dict(params)))
