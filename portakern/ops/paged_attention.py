@@ -27,17 +27,17 @@ never reads out of bounds (lengths clamped to [0, MB*BS], block ids to [0, NB)) 
 semantics clamp alike, so even an unchecked call (``pk.call``, or traced values under
 ``jax.jit``) is defined and agrees across backends.
 
-Split-K (flash-decoding): ``splits`` picks the number of key splits from the groups the
-call already has (B * Hkv * row blocks) against the schedule's target parallelism (PAR;
-CPU: twice the host's cores), splitting only contexts of at least MIN_SPLIT_KEYS keys per
-split; ``SPLIT`` > 0 forces a count (1 = unsplit). Split s owns pages [s*pps, (s+1)*pps);
+Split-K (flash-decoding): ``fit_device`` (the spec hook runtime.configs calls with the
+device's compute units) turns SPLIT = 0 into enough key splits that the call's groups
+(B * Hkv * row blocks) fill every compute unit SPLIT_GROUPS_PER_UNIT times, each split at
+least MIN_SPLIT_KEYS keys; ``SPLIT`` > 0 forces a count (1 = unsplit; 0 without a device,
+e.g. a tool rendering source, reads as 1). Split s owns pages [s*pps, (s+1)*pps);
 each writes (max, sum, accumulator) to workspaces and ``paged_attention_combine`` merges them
 in split order: deterministic.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -242,29 +242,32 @@ def rows_per_group(p: Problem, cfg: Mapping[str, int]) -> int:
     return min(cfg["RB"], 1 << (r - 1).bit_length())
 
 
-def host_cores() -> int:
-    """Cores this process may use: a CPU device (PoCL, Intel's runtime) runs on them."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+SPLIT_GROUPS_PER_UNIT = 2  # split until the groups fill each compute unit this many times
+
+
+def fit_device(p: Problem, cfg: dict[str, int], compute_units: int) -> dict[str, int]:
+    """The spec's ``fit_device``: SPLIT = 0 becomes the number of key splits (a power of two
+    in the tunable's domain) that fills each of the device's compute units
+    SPLIT_GROUPS_PER_UNIT times over with the call's groups, keeping at least
+    MIN_SPLIT_KEYS keys per split: decode at small batch on a GPU splits, a large batch or a
+    short context does not, nor a CPU whose few cores the kv heads already fill."""
+    if cfg.get("SPLIT") != 0:
+        return cfg
+    d = p.derived
+    r = d["Hq"] // max(d["Hkv"], 1) * d["Sq"]
+    groups = d["B"] * d["Hkv"] * cdiv(max(r, 1), rows_per_group(p, cfg))
+    want = min(cdiv(SPLIT_GROUPS_PER_UNIT * compute_units, max(groups, 1)),
+               d["MB"] * d["BS"] // MIN_SPLIT_KEYS, 128)
+    cfg["SPLIT"] = 1 << (max(want, 1).bit_length() - 1)
+    return cfg
 
 
 def splits(p: Problem, cfg: Mapping[str, int]) -> tuple[int, int]:
-    """(number of splits, pages per split). SPLIT > 0 forces the count (capped at the pages);
-    SPLIT = 0: split while the call's groups fall short of the target parallelism (PAR, 0:
-    twice the host's cores), keeping at least MIN_SPLIT_KEYS keys per split."""
+    """(number of splits, pages per split): SPLIT (0, unresolved by a device, reads as 1),
+    capped at the pages and at 32-bit indexing of the partials; no split left empty."""
     d = p.derived
     mb = max(d["MB"], 1)
-    r = d["Hq"] // max(d["Hkv"], 1) * d["Sq"]
-    groups = d["B"] * d["Hkv"] * cdiv(max(r, 1), rows_per_group(p, cfg))
-    ns = cfg["SPLIT"]
-    if ns == 0:
-        target = cfg["PAR"] or 2 * host_cores()
-        ns = 1
-        if groups < target:
-            ns = min(cdiv(target, max(groups, 1)), max(1, mb * d["BS"] // MIN_SPLIT_KEYS))
-    ns = max(1, min(ns, mb))
+    ns = max(1, min(cfg["SPLIT"], mb))
     rows = d["B"] * d["Hq"] * d["Sq"]
     while ns > 1 and ns * rows * max(d["Dv"], 1) > MAX_INDEX:
         ns //= 2
@@ -508,14 +511,13 @@ SPEC = KernelSpec(
                       "path: WG = 1, OpenCL)"),
               Tunable("RB", (1, 2, 4, 8, 16), "query rows (heads sharing a kv head x Sq) "
                       "per work-group"),
-              Tunable("SPLIT", (0, 1, 2, 4, 8, 16, 32, 64, 128), "key splits: 0 automatic, "
-                      "1 unsplit, n forced"),
-              Tunable("PAR", (0, 32, 64, 128, 256, 512, 1024, 2048), "groups the automatic "
-                      "split aims for (0: twice the host's cores)")),
-    schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "SPLIT": 0, "PAR": 512},
+              Tunable("SPLIT", (0, 1, 2, 4, 8, 16, 32, 64, 128), "key splits: 0 from the "
+                      "device's compute units, 1 unsplit, n forced")),
+    schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "SPLIT": 0},
                # CPU: VEC 8 (16 is ~10% faster on PoCL in cache, the same from memory,
                # but Oclgrind 21.10 reports its 16-lane splats as uninitialised)
-               "cpu": {"WG": 1, "VEC": 8, "RB": 8, "SPLIT": 0, "PAR": 0}},
+               "cpu": {"WG": 1, "VEC": 8, "RB": 8, "SPLIT": 0}},
+    fit_device=fit_device,
     unspecified_nonfinite=True,
     cases=paged_case,
     example=example,

@@ -132,8 +132,8 @@ def test_speculative_decode_with_every_modifier(target: str) -> None:
 
 # the CPU vector path unsplit and split, the GPU scalar path (WG 32: tiles of 32 keys) split
 SPLIT_CONFIGS = [{"SPLIT": 1}, {"SPLIT": 4}, {"SPLIT": 128},
-                 {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 1, "PAR": 0},
-                 {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 8, "PAR": 0}]
+                 {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 1},
+                 {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 8}]
 
 
 @pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=lambda c: "-".join(
@@ -155,19 +155,25 @@ def test_split_forced_on_and_off(kernel_target: str, config: dict[str, int]) -> 
     assert len(SPEC.launches(prob, cfg)) == (1 if ns == 1 else 2)
 
 
-def test_automatic_split_follows_parallelism() -> None:
-    """SPLIT = 0: a long context with few groups splits (up to the target), a short one or
-    a large batch does not, and no split has fewer than MIN_SPLIT_KEYS keys."""
-    def problem(B: int, ctx: int) -> Any:
+def test_automatic_split_follows_the_compute_units() -> None:
+    """SPLIT = 0 (fit_device): a long context with few groups splits until they fill each
+    compute unit twice, a short one or a large batch does not, no split has fewer than
+    MIN_SPLIT_KEYS keys; without a device SPLIT = 0 reads as unsplit."""
+    def fitted(B: int, ctx: int, units: int) -> int:
         ex, _ = pa.example("float16", B=B, MB=ctx // 16)
-        return SPEC.problem(ex, dict(SPEC.params))
+        prob = SPEC.problem(ex, dict(SPEC.params))
+        cfg = pa.fit_device(prob, dict(SPEC.schedules["gpu"]), units)
+        return pa.splits(prob, cfg)[0]
 
-    gpu = dict(SPEC.schedules["gpu"])
-    assert pa.splits(problem(1, 32768), gpu)[0] == 64  # 8 groups, aiming at 512
-    assert pa.splits(problem(1, 1024), gpu)[0] == 1024 // pa.MIN_SPLIT_KEYS
-    assert pa.splits(problem(1, 256), gpu)[0] == 1
-    assert pa.splits(problem(64, 4096), gpu)[0] == 1  # 512 groups already
-    assert pa.splits(problem(1, 32768), {**gpu, "SPLIT": 8}) == (8, 256)
+    assert fitted(1, 32768, 132) == 32  # 8 groups; 264 wanted: 33, a power of two below
+    assert fitted(1, 1024, 132) == 1024 // pa.MIN_SPLIT_KEYS
+    assert fitted(1, 256, 132) == 1
+    assert fitted(64, 4096, 132) == 1  # 512 groups already
+    assert fitted(1, 32768, 2) == 1  # a 2-core CPU: the 8 kv heads fill it
+    ex, _ = pa.example("float16", B=1, MB=2048)
+    prob = SPEC.problem(ex, dict(SPEC.params))
+    assert pa.splits(prob, dict(SPEC.schedules["gpu"])) == (1, 2048)
+    assert pa.splits(prob, {**SPEC.schedules["gpu"], "SPLIT": 8}) == (8, 256)
 
 
 BAD = [
