@@ -137,15 +137,19 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
 
 
 def attention_backward(do: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask: Any = None,
-                       causal: bool = False, scale: float | None = None, *,
+                       causal: bool = False, scale: float | None = None,
+                       window: int | tuple[int, int | None] | None = None, *,
                        backend: str | Backend | None = None,
                        config: Mapping[str, int] | None = None, **kwargs: Any) -> Any:
     """(dq, dk, dv) of ``attention`` given the output's cotangent ``do``, the forward's inputs
     and its ``out, lse = pk.attention(q, k, v, ..., return_lse=True)``; the same mask, causal
     and scale as the forward. Fused (no Sq x Sk buffer), deterministic. ``out`` is the
     forward's output (the spec's operand ``o``); to write the gradients into arrays of your
-    own, ``pk.call("attention_backward", do, q, k, v, out, lse, out=(dq, dk, dv))``."""
+    own, ``pk.call("attention_backward", do, q, k, v, out, lse, out=(dq, dk, dv))``.
+    ``window``: the forward's sliding window (the score modifiers have no fused backward)."""
     kwargs["mask"], kwargs["causal"], kwargs["scale"] = mask, causal, scale
+    if window is not None:
+        kwargs["window"] = window
     if do.__class__ in _TORCH:
         return _torch("attention_backward", (do, q, k, v, out, lse), kwargs, backend, config)
     try:

@@ -537,8 +537,8 @@ def _attention_setup(ctx: Any, inputs: Sequence[Any], output: Any) -> None:
     named = dict(zip(entry.names, entry.bind(inputs, {}), strict=True))
     out, lse = output
     ctx.causal, ctx.scale = named["causal"], named["scale"]
-    ctx.modifiers = [n for n in ("window", "softcap", "bias", "alibi_slopes")
-                     if named[n] is not None]
+    ctx.modifiers = [n for n in ("softcap", "bias", "alibi_slopes") if named[n] is not None]
+    ctx.window = named["window"]
     ctx.n_inputs = len(entry.names)
     ctx.backend = named["backend"] or _use_label()
     ctx.save_for_backward(named["q"], named["k"], named["v"], named["mask"], out, lse)
@@ -549,11 +549,12 @@ def _attention_backward(ctx: Any, g: torch.Tensor, _g_lse: Any) -> tuple[Any, ..
     if ctx.modifiers:  # never a gradient that ignores them
         raise InvalidArgumentError(
             f"attention: no torch backward for {', '.join(ctx.modifiers)} yet (the fused "
-            "attention_backward takes causal and mask only). Detach the inputs, drop the "
-            "modifier, or train through backend='jax' (jax.grad supports them).")
+            "attention_backward takes causal, window and mask only). Detach the inputs, drop "
+            "the modifier, or train through backend='jax' (jax.grad supports them).")
     q, k, v, mask, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.portakern.attention_backward(
-        g.contiguous(), q, k, v, out, lse, mask, ctx.causal, ctx.scale, ctx.backend, None)
+        g.contiguous(), q, k, v, out, lse, mask, ctx.causal, ctx.scale, ctx.window, ctx.backend,
+        None)
     return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
@@ -566,7 +567,8 @@ _AUTOGRAD: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
 
 note_torch_loaded()  # torch came after portakern: tensors are known from now on
 # built-in parameters whose default (None) does not say their schema type
-_BUILTIN_PARAM_TYPES = {"attention": {"window": "int[]?"}}
+_BUILTIN_PARAM_TYPES = {"attention": {"window": "int[]?"},
+                        "attention_backward": {"window": "int[]?"}}
 for _name in ("matmul", "softmax", "attention", "rmsnorm", "attention_backward"):
     register(_name, param_types=_BUILTIN_PARAM_TYPES.get(_name))
 for _name in list(OPS):  # user ops registered so far; one torch cannot take is refused

@@ -13,7 +13,8 @@
  * with s_ij = (scale Q_i) . K_j exactly as the forward scores it (the scale folded into q
  * first), dP_ij = dO_i . V_j and dS_ij = P_ij (dP_ij - DELTA_i). No atomics: every output
  * element has one writer, so results are the same bits run to run. Keys a row does not attend
- * (causal: j > i, top-left aligned as the forward; MASK, broadcast strides ms0..ms3) have
+ * (causal: j > i, top-left aligned as the forward; MASK, broadcast strides ms0..ms3; a
+ * window (AT_WIN, attention_mods.c: wl, wr) as the forward's) have
  * P = 0, and so does every key of a dead row (LSE = -inf): its gradient is 0.
  * Layouts (contiguous): Q, dO, O, dQ (B, Hq, Sq, D or DV); K, V, dK, dV (B, Hkv, Sk, D or DV);
  * LSE, DELTA (B, Hq, Sq) in the compute type. Accumulation in the compute type (PK_ACC_T).
@@ -34,9 +35,11 @@ PK_KERNEL void attention_bwd_delta(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
 
 /* whether query row i of (b, h) attends key j */
 PK_DEVICE_FN int ab_keep(PK_GLOBAL const unsigned char* PK_RESTRICT MASK, int b, int h, int i,
-                         int j, int causal, int has_mask, int ms0, int ms1, int ms2, int ms3)
+                         int j, int causal, int has_mask, int ms0, int ms1, int ms2, int ms3,
+                         int wl, int wr)
 {
     if (causal && j > i) return 0;
+    if (AT_WIN && !at_in_window(i, j, wl, wr)) return 0;
     return !has_mask || MASK[b * ms0 + h * ms1 + i * ms2 + j * ms3] != 0;
 }
 
@@ -51,7 +54,8 @@ PK_DEVICE_FN void ab_dkdv_row(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
                               PK_GLOBAL PK_T_T* PK_RESTRICT DK,
                               PK_GLOBAL PK_T_T* PK_RESTRICT DVO,
                               int Sq, int Sk, int Hq, int group, int r, PK_ACC_T scale,
-                              int causal, int has_mask, int ms0, int ms1, int ms2, int ms3)
+                              int causal, int has_mask, int ms0, int ms1, int ms2, int ms3,
+                         int wl, int wr)
 {
     const int Hkv = Hq / group;
     const int bkv = r / Sk;
@@ -70,7 +74,7 @@ PK_DEVICE_FN void ab_dkdv_row(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
         const int h = kvh * group + hh;
         const int bh = b * Hq + h;
         for (int i = causal ? j : 0; i < Sq; ++i) {
-            if (!ab_keep(MASK, b, h, i, j, causal, has_mask, ms0, ms1, ms2, ms3)) continue;
+            if (!ab_keep(MASK, b, h, i, j, causal, has_mask, ms0, ms1, ms2, ms3, wl, wr)) continue;
             const PK_ACC_T lse = LSE[bh * Sq + i];
             if (lse == -PK_INFINITY) continue; /* a dead row: P = 0 */
             const int qrow = (bh * Sq + i);
@@ -105,7 +109,8 @@ PK_DEVICE_FN void ab_dq_row(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
                             PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
                             PK_GLOBAL PK_T_T* PK_RESTRICT DQO,
                             int Sq, int Sk, int Hq, int group, int r, PK_ACC_T scale,
-                            int causal, int has_mask, int ms0, int ms1, int ms2, int ms3)
+                            int causal, int has_mask, int ms0, int ms1, int ms2, int ms3,
+                         int wl, int wr)
 {
     const int bh = r / Sq;
     const int i = r - bh * Sq;
@@ -122,7 +127,7 @@ PK_DEVICE_FN void ab_dq_row(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
     const int jend = causal ? min(i + 1, Sk) : Sk;
     if (lse != -PK_INFINITY) { /* a dead row keeps dQ = 0 */
         for (int j = 0; j < jend; ++j) {
-            if (!ab_keep(MASK, b, h, i, j, causal, has_mask, ms0, ms1, ms2, ms3)) continue;
+            if (!ab_keep(MASK, b, h, i, j, causal, has_mask, ms0, ms1, ms2, ms3, wl, wr)) continue;
             const int kr = kvrow0 + j;
             PK_ACC_T s = (PK_ACC_T)0, dp = (PK_ACC_T)0;
             #pragma unroll 8
@@ -150,12 +155,13 @@ PK_KERNEL PK_LAUNCH_BOUNDS(WG, 1) void attention_bwd_dkdv(PK_GLOBAL const PK_T_T
                                   PK_GLOBAL PK_T_T* PK_RESTRICT DK,
                                   PK_GLOBAL PK_T_T* PK_RESTRICT DVO,
                                   int Sq, int Sk, int Hq, int group, int rows, PK_ACC_T scale,
-                                  int causal, int has_mask, int ms0, int ms1, int ms2, int ms3)
+                                  int causal, int has_mask, int ms0, int ms1, int ms2, int ms3,
+                         int wl, int wr)
 {
     const int r = PK_GROUP_ID(0) * WG + PK_LOCAL_ID(0); /* (b, kv head, j) */
     if (r >= rows) return;
     ab_dkdv_row(DO, Q, K, V, LSE, DELTA, MASK, DK, DVO, Sq, Sk, Hq, group, r, scale, causal,
-                has_mask, ms0, ms1, ms2, ms3);
+                has_mask, ms0, ms1, ms2, ms3, wl, wr);
 }
 
 PK_KERNEL PK_LAUNCH_BOUNDS(WG, 1) void attention_bwd_dq(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
@@ -167,12 +173,13 @@ PK_KERNEL PK_LAUNCH_BOUNDS(WG, 1) void attention_bwd_dq(PK_GLOBAL const PK_T_T* 
                                 PK_GLOBAL const unsigned char* PK_RESTRICT MASK,
                                 PK_GLOBAL PK_T_T* PK_RESTRICT DQO,
                                 int Sq, int Sk, int Hq, int group, int rows, PK_ACC_T scale,
-                                int causal, int has_mask, int ms0, int ms1, int ms2, int ms3)
+                                int causal, int has_mask, int ms0, int ms1, int ms2, int ms3,
+                         int wl, int wr)
 {
     const int r = PK_GROUP_ID(0) * WG + PK_LOCAL_ID(0); /* (b, h, i) */
     if (r >= rows) return;
     ab_dq_row(DO, Q, K, V, LSE, DELTA, MASK, DQO, Sq, Sk, Hq, group, r, scale, causal, has_mask,
-              ms0, ms1, ms2, ms3);
+              ms0, ms1, ms2, ms3, wl, wr);
 }
 
 /* ---- The CPU vector path (AB_VEC: OpenCL vectors, storage type = compute type) ----------
@@ -264,7 +271,7 @@ PK_KERNEL void attention_bwd_dkdv_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
                                       PK_GLOBAL const PK_ACC_T* PK_RESTRICT DELTAP,
                                       int Sq, int Sk, int Hq, int group, int nkb, int items,
                                       PK_ACC_T scale, int causal, int has_mask, int ms0, int ms1,
-                                      int ms2, int ms3, int Sqp)
+                                      int ms2, int ms3, int Sqp, int wl, int wr)
 {
     const int it = PK_GROUP_ID(0); /* (b, kv head, block of TK keys) */
     if (it >= items) return;
@@ -275,7 +282,7 @@ PK_KERNEL void attention_bwd_dkdv_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
     for (int t = 0; t < TK; ++t)
         if (j0 + t < Sk)
             ab_dkdv_row(DO, Q, K, V, LSE, DELTA, MASK, DK, DVO, Sq, Sk, Hq, group,
-                        bkv * Sk + j0 + t, scale, causal, has_mask, ms0, ms1, ms2, ms3);
+                        bkv * Sk + j0 + t, scale, causal, has_mask, ms0, ms1, ms2, ms3, wl, wr);
 #else
     const int Hkv = Hq / group;
     const int b = bkv / Hkv;
@@ -334,12 +341,13 @@ PK_KERNEL void attention_bwd_dkdv_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
                     AB_VSTORE(p * (dpv[t][c] - dl), c, &dst[t][0]);
                 }
             }
-            if (has_mask || (causal && i0 < j0 + TK - 1)) { /* lane by lane */
+            if (has_mask || (causal && i0 < j0 + TK - 1) || AT_WIN) { /* lane by lane */
                 for (int t = 0; t < TK; ++t) {
                     const int jt = min(j0 + t, Sk - 1);
                     for (int c = 0; c < BLK; ++c) {
                         const int i = i0 + c;
                         int ok = i < Sq && (!causal || i >= j0 + t);
+                        if (AT_WIN && !at_in_window(i, jt, wl, wr)) ok = 0;
                         if (ok && has_mask) ok = MASK[b * ms0 + h * ms1 + i * ms2 + jt * ms3] != 0;
                         if (!ok) { pt[t][c] = (PK_ACC_T)0; dst[t][c] = (PK_ACC_T)0; }
                     }
@@ -391,7 +399,7 @@ PK_KERNEL void attention_bwd_dq_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
                                     PK_GLOBAL const PK_ACC_T* PK_RESTRICT VT,
                                     int Sq, int Sk, int Hq, int group, int nqb, int items,
                                     PK_ACC_T scale, int causal, int has_mask, int ms0, int ms1,
-                                    int ms2, int ms3, int Skp)
+                                    int ms2, int ms3, int Skp, int wl, int wr)
 {
     const int it = PK_GROUP_ID(0); /* (b, h, block of TQ queries) */
     if (it >= items) return;
@@ -401,7 +409,7 @@ PK_KERNEL void attention_bwd_dq_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
     for (int t = 0; t < TQ; ++t)
         if (i0 + t < Sq)
             ab_dq_row(DO, Q, K, V, LSE, DELTA, MASK, DQO, Sq, Sk, Hq, group, bh * Sq + i0 + t,
-                      scale, causal, has_mask, ms0, ms1, ms2, ms3);
+                      scale, causal, has_mask, ms0, ms1, ms2, ms3, wl, wr);
 #else
     const int b = bh / Hq;
     const int h = bh - b * Hq;
@@ -455,12 +463,14 @@ PK_KERNEL void attention_bwd_dq_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
                 const ab_vt p = PK_VEXP(sv[t][c] - (ab_vt)(ls[t]));
                 AB_VSTORE(p * (dpv[t][c] - (ab_vt)(dl[t])), c, &dst[t][0]);
             }
-        if (has_mask || k0 + BLK > Sk || (causal && k0 + BLK - 1 > i0)) { /* lane by lane */
+        if (has_mask || k0 + BLK > Sk || (causal && k0 + BLK - 1 > i0) || AT_WIN) {
+            /* lane by lane */
             for (int t = 0; t < TQ; ++t) {
                 const int i = min(i0 + t, Sq - 1);
                 for (int c = 0; c < BLK; ++c) {
                     const int j = k0 + c;
                     int ok = j < Sk && (!causal || j <= i);
+                    if (AT_WIN && !at_in_window(i, j, wl, wr)) ok = 0;
                     if (ok && has_mask) ok = MASK[b * ms0 + h * ms1 + i * ms2 + j * ms3] != 0;
                     if (!ok) dst[t][c] = (PK_ACC_T)0;
                 }

@@ -53,10 +53,13 @@ from ._common import cdiv, kernel_source, need_rank
 
 
 def semantics(xp: Any, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, mask: Any = None,
-              causal: bool = False, scale: float | None = None) -> tuple[Any, Any, Any]:
+              causal: bool = False, scale: float | None = None,
+              window: tuple[int, int | None] | None = None) -> tuple[Any, Any, Any]:
     """The analytic backward, written once (``attention_math.analytic``): the float64 oracle,
-    and the jax backend's XLA formulation (no autodiff of the unfused chain)."""
-    return attention_math.analytic(xp, do, q, k, v, o, lse, mask, causal, scale)
+    and the jax backend's XLA formulation (no autodiff of the unfused chain). ``window`` is
+    the forward's sliding window (a mask: keys outside it have P = 0); the score modifiers
+    (bias, ALiBi, softcap) have no fused backward here."""
+    return attention_math.analytic(xp, do, q, k, v, o, lse, mask, causal, scale, window=window)
 
 
 def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
@@ -81,7 +84,8 @@ def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
     return Problem("attention_backward", dt,
                    {n: (None if m[n] is None else tuple(m[n].shape))  # type: ignore[union-attr]  # checked above
                     for n in ("do", "q", "k", "v", "o", "lse", "mask")},
-                   {k: fwd.params[k] for k in ("causal", "scale")}, tuple(m["q"].shape),
+                   {k: fwd.params[k] for k in ("causal", "scale", "window")},
+                   tuple(m["q"].shape),
                    derived=dict(d),
                    empty_result=False,
                    outputs={"dq": (tuple(m["q"].shape), dt), "dk": (tuple(m["k"].shape), dt),
@@ -133,7 +137,8 @@ def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
 
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
     return {"WG": cfg["WG"], "DQ": p.derived["D"], "DV": p.derived["Dv"],
-            "VEC": ab_vec(p, cfg), "TQ": cfg["TQ"], "TK": cfg["TK"], "NV": cfg["NV"]}
+            "VEC": ab_vec(p, cfg), "TQ": cfg["TQ"], "TK": cfg["TK"], "NV": cfg["NV"],
+            "AT_WIN": int(p.params.get("window") is not None)}
 
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
@@ -146,6 +151,7 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     common = (Scalar(d["Sq"]), Scalar(d["Sk"]), Scalar(d["Hq"]), Scalar(d["Hq"] // d["Hkv"]))
     flags = (Scalar(p.params["scale"], "acc"), Scalar(int(p.params["causal"])),
              Scalar(int(has_mask)), Scalar(ms[0]), Scalar(ms[1]), Scalar(ms[2]), Scalar(ms[3]))
+    win = attention.score_mod_args(p)[:2]  # wl, wr (attention_mods.c), as the forward's
     out: list[Launch] = []
     if rows_q:
         out.append(Launch("attention_bwd_delta", (cdiv(rows_q, wg), 1, 1), (wg, 1, 1),
@@ -166,24 +172,25 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
         out.append(Launch("attention_bwd_dkdv_vec", (bkv * nkb, 1, 1), (1, 1, 1),
                           (*base, Buf("dk"), Buf("dv"), Buf("qt"), Buf("dot"), Buf("lsep"),
                            Buf("deltap"), *common, Scalar(nkb), Scalar(bkv * nkb), *flags,
-                           Scalar(sqp))))
+                           Scalar(sqp), *win)))
         nqb = cdiv(d["Sq"], cfg["TQ"])
         out.append(Launch("attention_bwd_dq_vec", (bh * nqb, 1, 1), (1, 1, 1),
                           (*base, Buf("dq"), Buf("kt"), Buf("vt"), *common, Scalar(nqb),
-                           Scalar(bh * nqb), *flags, Scalar(skp))))
+                           Scalar(bh * nqb), *flags, Scalar(skp), *win)))
         return out
     if rows_k:
         out.append(Launch("attention_bwd_dkdv", (cdiv(rows_k, wg), 1, 1), (wg, 1, 1),
-                          (*base, Buf("dk"), Buf("dv"), *common, Scalar(rows_k), *flags)))
+                          (*base, Buf("dk"), Buf("dv"), *common, Scalar(rows_k), *flags, *win)))
     if rows_q:
         out.append(Launch("attention_bwd_dq", (cdiv(rows_q, wg), 1, 1), (wg, 1, 1),
-                          (*base, Buf("dq"), *common, Scalar(rows_q), *flags)))
+                          (*base, Buf("dq"), *common, Scalar(rows_q), *flags, *win)))
     return out
 
 
 def cost(p: Problem) -> Cost:
     d = p.derived
-    pairs = d["Sq"] * d["Sk"] * (0.5 if p.params["causal"] else 1.0)
+    pairs = attention.attended_pairs(d["Sq"], d["Sk"], p.params["causal"],
+                                     p.params.get("window"))
     bh = d["B"] * d["Hq"]
     isz = p.info.storage.itemsize
     width = d["D"] + d["Dv"]
@@ -209,7 +216,7 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], refs: Any) -> tuple[np.ndarr
     k, v = np.repeat(x["k"], g, axis=1), np.repeat(x["v"], g, axis=1)
     with np.errstate(all="ignore"):
         pr, s = attention_math.probabilities(np, q, k, lse, x.get("mask"), p.params["causal"],
-                                             scale)
+                                             scale, p.params.get("window"))
         qs = np.abs(q * scale)
         es = 2.0 * d["D"] * u * np.matmul(qs, np.swapaxes(np.abs(k), -1, -2)) + 2.0 * u * np.abs(s)
         dlse = np.where(np.isfinite(lse), lse, 0.0)[..., None]
@@ -270,13 +277,18 @@ def backward_case(ch: Chooser, dtype: str) -> Case:
         if ch.boolean(0.5) and mshape[-2] == sq:
             mask[..., 0, :] = False  # a dead row: gradient 0
         note += " mask" + str(mshape)
+    window = None
+    if ch.boolean(0.2):  # drawn last: the cases without a window keep their values
+        window = (ch.choice((0, 3, 20)) if ch.boolean(0.5)
+                  else (ch.choice((0, 5)), ch.choice((0, 7))))
+        note += f" window{window}"
     f64 = [np.asarray(a, np.float64) for a in (q, k, v)]
     o, lse = attention.semantics(np, *f64, mask=mask, causal=causal, scale=scale,
-                                 return_lse=True)
+                                 return_lse=True, window=window)
     out = dtypes.cast_to(o, dtype)
     lse = np.asarray(lse, attention.lse_dtype(dtype))
     return Case({"do": do, "q": q, "k": k, "v": v, "o": out, "lse": lse, "mask": mask},
-                {"causal": causal, "scale": scale}, note)
+                {"causal": causal, "scale": scale, "window": window}, note)
 
 
 def example(dtype: str, *, B: int = 1, H: int = 8, Hkv: int = 8, Sq: int = 128, Sk: int = 128,
@@ -305,10 +317,10 @@ SPEC = KernelSpec(
     name="attention_backward",
     operands=(Operand("do"), Operand("q"), Operand("k"), Operand("v"), Operand("o"),
               Operand("lse", kind="acc"), Operand("mask", kind="bool", optional=True)),
-    params={"causal": False, "scale": None},
+    params={"causal": False, "scale": None, "window": None},
     validate=validate,
     semantics=semantics,
-    source=kernel_source("vexp.c", "attention_backward.c"),
+    source=kernel_source("vexp.c", "attention_mods.c", "attention_backward.c"),
     slots=lambda p: {"T": p.dtype},
     defines=defines,
     launches=launches,

@@ -28,8 +28,8 @@ def keep_matrix(xp: Any, sq: int, sk: int, causal: bool, mask: Any,
         kpos = xp.arange(sk)[None, :]
         if causal:
             keep = qpos >= kpos
-        if window is not None:
-            left, right = window
+        if window is not None:  # an int is a left edge alone, as pk.attention takes it
+            left, right = (window, None) if isinstance(window, (int, np.integer)) else window
             near = kpos >= qpos - left
             if right is not None:
                 near = xp.logical_and(near, kpos <= qpos + right)
