@@ -1818,7 +1818,10 @@ def test_quick_suite_has_the_decode_rows_split_beside_unsplit() -> None:
     assert "unsplit row" in (suites.peer_skip(one) or "")
     big = next(c for c in rows if c.size["B"] == 8 and c.size["ctx"] == 32768
                and c.size["split"] == 1)
-    assert "GiB" in (suites.peer_skip(big) or "")  # the gathered cache would not fit
+    assert "MiB" in (suites.peer_skip(big) or "")  # the gathered cache would not fit
+    small = next(c for c in rows if c.size["B"] == 1 and c.size["ctx"] == 4096
+                 and c.size["split"] == 1)
+    assert suites.peer_skip(small) is None
     assert suites.bench_config(suites.BenchCase("softmax", "float32", {"rows": 1, "cols": 1})) \
         is None
     # --dtypes still decides when given
