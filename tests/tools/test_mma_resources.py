@@ -11,6 +11,7 @@ import importlib
 
 import pytest
 
+import portakern as pk
 from portakern.tools import resources
 
 from conftest import require_tool
@@ -37,6 +38,48 @@ def test_default_half_matmul_uses_matrix_units_without_spills(backend: str, arch
         assert r.config["MMA"] == 1, table
         assert r.matrix_instructions, f"no matrix instructions in {r.dtype} on {r.arch}\n{table}"
         assert r.clean, f"spills or stack in {r.dtype} on {r.arch}\n{table}"
+
+
+ATTENTION_TARGETS = TARGETS + [("hip", "gfx1100")]
+
+
+@pytest.mark.parametrize("backend,arch", ATTENTION_TARGETS, ids=[a for _, a in ATTENTION_TARGETS])
+def test_default_half_attention_uses_matrix_units_without_spills(backend: str,
+                                                                 arch: str) -> None:
+    """attention's default fp16/bf16 schedule on a device with matrix units is the fragment
+    schedule (attention_mma.c): HMMA on sm_80/sm_90, v_mfma on gfx90a, v_wmma on gfx1100,
+    no spills, no stack. gfx1100 needs a ROCm whose device library (ocml, for exp) has that
+    target; an older one skips, naming it (matmul, without exp, compiles there anyway)."""
+    if backend == "cuda":
+        require_tool(ptxas.find_ptxas(), "ptxas is not installed", ptxas.PTXAS_FIX)
+        require_tool(ptxas.find_cuobjdump() and ptxas.find_nvdisasm(),
+                     "cuobjdump/nvdisasm are not installed (counting HMMA needs them)",
+                     ptxas.CUOBJDUMP_FIX + " and nvidia-cuda-nvdisasm")
+    else:
+        require_tool(hip.find_hipcc(), "hipcc is not installed", hip.INSTALL_FIX)
+    reports = []
+    for dt in ("float16", "bfloat16"):
+        try:
+            reports += resources.measure("attention", backend, arch, dt)
+        except pk.CompileError as e:
+            if arch == "gfx1100" and "__ocml_" in str(e):
+                pytest.skip("this ROCm's device library has no gfx1100 (undefined __ocml_*)")
+            raise
+    table = resources.format_table(reports)
+    assert [r.kernel for r in reports] == ["attention_mma", "attention_mma"], table
+    for r in reports:
+        assert r.config["MMA"] == 1, table
+        assert r.matrix_instructions, f"no matrix instructions in {r.dtype} on {r.arch}\n{table}"
+        assert r.clean, f"spills or stack in {r.dtype} on {r.arch}\n{table}"
+
+
+def test_float32_attention_has_no_matrix_instructions() -> None:
+    """TF32 never: attention's fp32 kernel on sm_80 stays SIMT (MMA is ignored)."""
+    require_tool(ptxas.find_ptxas(), "ptxas is not installed", ptxas.PTXAS_FIX)
+    require_tool(ptxas.find_cuobjdump() and ptxas.find_nvdisasm(),
+                 "cuobjdump/nvdisasm are not installed", ptxas.CUOBJDUMP_FIX)
+    (r,) = resources.measure("attention", "cuda", "80", "float32")
+    assert r.kernel == "attention" and r.matrix_instructions == 0
 
 
 def test_float32_matmul_has_no_matrix_instructions() -> None:
