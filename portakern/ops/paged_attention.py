@@ -417,14 +417,14 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
 def tables(rng: np.random.Generator, ch: Chooser, b: int, mb: int, bs: int, sq: int
            ) -> tuple[np.ndarray, np.ndarray, int, str]:
     """(block_table, seq_lens, num_blocks, note): ragged lengths in [Sq, MB*BS] (some not a
-    multiple of BS), pages drawn from a shuffled pool (permuted), sometimes shared between
-    sequences (a common prefix), unused entries sometimes garbage (-1, huge)."""
+    multiple of BS), pages drawn from a shuffled pool of B*MB + 3 (permuted), sometimes shared
+    between sequences (a common prefix), unused entries sometimes garbage (-1, huge). All of
+    it values: the shapes stay those of the layout."""
     lens = rng.integers(sq, mb * bs + 1, size=b)
     if ch.boolean(0.3):
         lens[rng.integers(b)] = mb * bs  # a full row
-    nb = b * mb + ch.choice((0, 3))
-    pool = rng.permutation(nb)
-    bt = pool[:b * mb].reshape(b, mb)
+    nb = b * mb + 3
+    bt = rng.permutation(nb)[:b * mb].reshape(b, mb)
     note = f"lens{lens.tolist()} bs{bs} nb{nb}"
     if b > 1 and ch.boolean(0.3):
         share = int(rng.integers(1, mb + 1))
@@ -438,16 +438,20 @@ def tables(rng: np.random.Generator, ch: Chooser, b: int, mb: int, bs: int, sq: 
     return bt.astype(np.int32), lens.astype(np.int32), nb, note
 
 
+# (B, Hq, Hkv, Sq, D, Dv, block_size, max_blocks): a few layouts, so the suite's draws
+# (lengths, tables, values, modifiers) reuse compiled kernels and XLA executables
+LAYOUTS = (
+    (3, 8, 2, 1, 32, 32, 16, 6),  # GQA decode, ragged lengths
+    (2, 4, 4, 1, 16, 16, 4, 12),  # multi-head, small pages
+    (1, 4, 1, 3, 32, 32, 5, 8),  # multi-query, speculative (Sq = 3), pages of 5
+    (2, 2, 1, 2, 8, 16, 1, 20),  # pages of one token, D = 8 (the CPU's scalar path), Dv != D
+    (1, 2, 2, 1, 32, 32, 16, 1),  # one page
+)
+
+
 def paged_case(ch: Chooser, dtype: str) -> Case:
     rng = np.random.default_rng(ch.seed())
-    b = ch.choice((1, 2, 3))
-    hkv = ch.choice((1, 2))
-    hq = hkv * ch.choice((1, 2, 4))
-    sq = ch.choice((1, 1, 2, 3))
-    d = ch.choice((16, 32, 8))
-    dv = d if ch.boolean(0.8) else 16
-    bs = ch.choice((16, 4, 5, 1))
-    mb = max(ch.choice((1, 3, 8, 20)), -(-sq // bs))  # room for the Sq new tokens
+    b, hq, hkv, sq, d, dv, bs, mb = ch.choice(LAYOUTS)
     bt, lens, nb, note = tables(rng, ch, b, mb, bs, sq)
     x = {"q": normal(rng, (b, hq, sq, d), dtype),
          "k": normal(rng, (nb, hkv, bs, d), dtype), "v": normal(rng, (nb, hkv, bs, dv), dtype)}
