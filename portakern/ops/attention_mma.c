@@ -195,14 +195,18 @@ void attention_mma(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
             PK_ACC_T bm = -PK_INFINITY;
             for (int j = 0; j < AM_BK; ++j) {
                 const int kj = k0 + j;
-                int ok = qi < Sq && kj < Sk && (!causal || kj <= qi)
-                         && (!AT_WIN || at_in_window(qi, kj, wl, wr));
+                int ok = qi < Sq && kj < Sk && (!causal || kj <= qi);
+#if AT_WIN
+                if (ok) ok = at_in_window(qi, kj, wl, wr);
+#endif
                 if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
                 PK_ACC_T sj = -PK_INFINITY;
                 if (ok) {
-                    sj = Ss[r * AM_BK + j] * scale;
-                    sj = Vb[j] ? AT_NAN
-                         : AT_MOD ? at_modify(sj, AM_BIAS_AT(brow, kj), slope, qi, kj, cap) : sj;
+                    sj = Ss[r * AM_BK + j] * scale; /* the scale after the dot, in fp32 */
+#if AT_BIAS || AT_ALIBI || AT_CAP
+                    sj = at_modify(sj, AM_BIAS_AT(brow, kj), slope, qi, kj, cap);
+#endif
+                    if (Vb[j]) sj = AT_NAN;
                 }
                 Ss[r * AM_BK + j] = sj;
                 bm = (sj > bm || sj != sj) ? sj : bm;
