@@ -28,8 +28,10 @@ Fragment schedule (tunable MMA, docs/fragments.md): fp16/bf16 on a device with m
 ``attention_mma`` (attention_mma.c): 64 items take 16 queries, S = Q K^T and O += P V are
 16x16x16 tile products with fp32 accumulation, the per-key rules and the online softmax
 stay SIMT. Two differences from the steps above, both in the bounds: the scale multiplies
-the fp32 dot after it (q enters the matrix unit as it is; so for bf16 a row whose unscaled
-|q|.|k| could reach fp32's max is unspecified, the range rule), and the weights P are
+the fp32 dot after it (fp16: q enters the matrix unit as it is, its dot cannot overflow;
+bf16: q * 2^e enters, 2^e the largest power of two <= scale, exact, and the dot is
+multiplied by scale / 2^e in [1, 2), so the dot overflows only where the scaled scores do;
+the range rule widens by that factor of 2 at bf16's edges), and the weights P are
 rounded to the input type before P.V (u_storage relative on each weight; fp16's subnormal
 weights add half its smallest subnormal per key). Split-K works as on the SIMT path (ranges
 of whole 16-key tiles). float32/float64 ignore MMA (no TF32).
@@ -620,7 +622,9 @@ def unspecified(p: Problem, q: np.ndarray, k: np.ndarray, vf: np.ndarray, keep: 
     (positive or negative part, (mag + |s|)/2, within the dot's rounding of the largest
     finite value), when scale * q overflows in the compute type, when it underflows (to a
     subnormal or 0) in a row that attends a key with an infinite k (0 * inf), or when the
-    attended keys' sum of |v| could overflow the unnormalised accumulator of a fused kernel."""
+    attended keys' sum of |v| could overflow the unnormalised accumulator of a fused kernel.
+    bf16 (attention_mma.c's q * 2^e): also where |scale q| reaches bf16's max, and the
+    underflow threshold doubles."""
     ct = p.info.compute
     big = float(np.finfo(ct).max)
     u = float(np.finfo(ct).eps) / 2
@@ -629,16 +633,18 @@ def unspecified(p: Problem, q: np.ndarray, k: np.ndarray, vf: np.ndarray, keep: 
         s_fin = np.where(np.isfinite(s_all), s_all, 0.0)
         part = 0.5 * (mag + np.abs(np.where(np.isfinite(mag), s_fin, 0.0)))
         over_s = np.any(keep & (part * (1.0 + 2.0 * (d + 1) * u) >= big), axis=-1)
-        if p.dtype in MMA_DTYPES:
-            # the fragment schedule multiplies by the scale after the dot (attention_mma.c):
-            # its unscaled parts must fit too. Only bf16 can get there (fp16's products are
-            # at most 65504^2): a row whose |q|.|k| could reach fp32's max is unspecified
-            raw = part / p.params["scale"]
-            over_s |= np.any(keep & (raw * (1.0 + 2.0 * (d + 1) * u) >= big), axis=-1)
         qc = q.astype(ct) * ct.type(p.params["scale"])  # one rounding, as the kernels do
         fin = np.isfinite(q)
         over_q = np.any(fin & ~np.isfinite(qc), axis=-1)
-        under_q = np.any(fin & (q != 0) & (np.abs(qc) < float(np.finfo(ct).tiny)), axis=-1)
+        tiny = float(np.finfo(ct).tiny)
+        if p.dtype == "bfloat16":
+            # the fragment schedule (attention_mma.c) feeds bf16(q * s2), s2 <= scale a
+            # power of two (> scale / 2): it may round to inf where |scale q| nears bf16's
+            # max, and leaves the normal range below 2 x fp32's tiny
+            over_q |= np.any(fin & (np.abs(q * p.params["scale"])
+                                    >= _STORAGE_MAX["bfloat16"]), axis=-1)
+            tiny *= 2.0
+        under_q = np.any(fin & (q != 0) & (np.abs(qc) < tiny), axis=-1)
         inf_k = np.any(np.isinf(k), axis=-1)[..., None, :]  # (B, H, 1, Sk)
         under_q &= np.any(keep & inf_k, axis=-1)
         acc = np.matmul(keep.astype(np.float64), np.abs(vf)) * (1.0 + (sk + 2) * u) >= big

@@ -13,10 +13,11 @@
  *  - Per key tile: K (AM_BK x DQP) and V (AM_BK x DVP) are staged as 16-bit patterns, zeros
  *    past Sk, D and Dv. One item per key then zeroes its V row's NaN/inf entries and flags
  *    the row (Vb): that key scores NaN, as in attention.c.
- *  - S = Q K^T: DQP/16 tile products in the fp32 accumulator, then S * scale in fp32. The
- *    scale is applied after the dot, not folded into q (q is fed to the matrix unit as it
- *    is): fp16/bf16 products are exact in fp32, and the unscaled dot can overflow fp32 only
- *    for bf16 with |q|.|k| near 3e38 (attention.py's range rule, `unspecified`).
+ *  - S = Q K^T: DQP/16 tile products in the fp32 accumulator, then S * sf in fp32. fp16:
+ *    q enters as it is and sf = scale (fp16 products are exact in fp32 and their sums stay
+ *    far below its range). bf16: q enters as q * s2, s2 the largest power of two <= scale
+ *    (exact), and sf = scale / s2 in [1, 2): the dot cannot overflow unless the scaled
+ *    scores do, as on the SIMT path (attention.py's range rule).
  *    The products are called by every wave (uniform control flow); wave 0 stores the tile.
  *  - Items 0..15 (one per query row) apply exactly the SIMT path's per-key rules to their
  *    row of S (attention.c: at_modify, the mask, causal, the window, a bad V row's NaN,
@@ -124,10 +125,23 @@ void attention_mma(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 #define AM_BIAS_AT(brow, kj) ((PK_ACC_T)0)
 #endif
 
-    /* Q, once, through Ks: A fragments of the 16 rows, AM_NQ k steps */
+    /* Q, once, through Ks: A fragments of the 16 rows, AM_NQ k steps. bf16: q * s2, s2 the
+     * largest power of two <= scale (exact: bf16 has fp32's exponent range, save where
+     * scale * q itself nears over- or underflow), and the dot is multiplied by the rest of
+     * the scale, sf = scale / s2 in [1, 2), so the unscaled dot never exceeds the scaled
+     * one. fp16 (its products <= 65504^2) takes the whole scale after the dot. */
+#if AM_BF16
+    const unsigned int se = PK_AS_UINT(scale) & 0x7f800000u;
+    const PK_ACC_T s2 = PK_AS_FLOAT(se > 0x00800000u ? se : 0x00800000u);
+    const PK_ACC_T sf = scale / s2;
+#define AM_Q_BITS(i) pk_float_to_bf16(PK_LOAD_T(Q, i) * s2)
+#else
+    const PK_ACC_T sf = scale;
+#define AM_Q_BITS(i) PK_BITS_T(Q, i)
+#endif
     for (int idx = tid; idx < 16 * AM_DQP; idx += 64) {
         const int r = idx / AM_DQP, d = idx - (idx / AM_DQP) * AM_DQP;
-        Ks[idx] = (q0 + r < Sq && d < DQ) ? PK_BITS_T(Q, (bh * Sq + q0 + r) * DQ + d)
+        Ks[idx] = (q0 + r < Sq && d < DQ) ? AM_Q_BITS((bh * Sq + q0 + r) * DQ + d)
                                          : (unsigned short)0;
     }
     PK_BARRIER();
@@ -202,7 +216,7 @@ void attention_mma(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
                 PK_ACC_T sj = -PK_INFINITY;
                 if (ok) {
-                    sj = Ss[r * AM_BK + j] * scale; /* the scale after the dot, in fp32 */
+                    sj = Ss[r * AM_BK + j] * sf; /* the scale (its rest) after the dot */
 #if AT_BIAS || AT_ALIBI || AT_CAP
                     sj = at_modify(sj, AM_BIAS_AT(brow, kj), slope, qi, kj, cap);
 #endif

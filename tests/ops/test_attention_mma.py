@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import portakern as pk
 from portakern.core import codegen
 from portakern.core.sampling import Case
-from portakern.ops import attention, get_op
+from portakern.ops import get_op
 from portakern.runtime import selection
 from portakern.runtime.plan import plan_for
 
@@ -179,21 +179,22 @@ def test_float32_ignores_mma_and_the_defaults() -> None:
         assert "attention_mma" not in _kernels(case32)
 
 
-def test_bf16_unscaled_dot_overflow_is_unspecified() -> None:
-    """The fragment schedule multiplies by the scale after the dot: a bf16 row whose
-    unscaled |q|.|k| reaches fp32's max is left to IEEE arithmetic (tolerance inf); the same
-    values in fp16 cannot get there, and small ones stay judged."""
-    spec = get_op("attention")
-    q = np.full((1, 1, 2, 16), 1.0)
-    q[0, 0, 0, :] = 1e38
-    k = np.ones((1, 1, 3, 16))
-    v = np.ones((1, 1, 3, 4))
-    x = {"q": q, "k": k, "v": v, "mask": None}
-    arrays = {n: a.astype(ml_dtypes.bfloat16) for n, a in x.items() if a is not None}
-    p = spec.problem({**arrays, "mask": None}, {"scale": 1e-30, "causal": False})
-    ref = attention.semantics(np, q, k, v, scale=1e-30)
-    tol = attention.tolerance(p, x, ref)
-    assert np.all(np.isinf(tol[0, 0, 0])) and np.all(np.isfinite(tol[0, 0, 1]))
+@pocl
+def test_bf16_scale_enters_q_as_a_power_of_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 q.k about 1e39 (beyond fp32), scale 1e-10: the fragment schedule feeds q times
+    the largest power of two <= scale, so the dot stays finite as on the SIMT path (where
+    the scale is folded into q), and the result matches the oracle."""
+    monkeypatch.setenv("PORTAKERN_MMA_LAYOUT", "sm80")
+    bf = ml_dtypes.bfloat16
+    rng = np.random.default_rng(3)
+    q = (np.abs(rng.standard_normal((1, 2, 8, 16))) * 3e18).astype(bf)
+    k = (np.abs(rng.standard_normal((1, 2, 8, 16))) * 3e18).astype(bf)
+    v = rng.standard_normal((1, 2, 8, 16)).astype(bf)
+    case = Case({"q": q, "k": k, "v": v}, {"scale": 1e-10})
+    got = pk.call(get_op("attention"), backend=POCL, config=MMA, q=q, k=k, v=v, scale=1e-10)
+    assert np.isfinite(got.astype(np.float64)).all()
+    v = compare_case(get_op("attention"), case, got, POCL)
+    assert v.ok, str(v)
 
 
 # --- mutants ------------------------------------------------------------------------------
