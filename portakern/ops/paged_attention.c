@@ -164,63 +164,82 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         const int nkeys = min(BS, L - pg * BS); /* >= 1 */
         for (int t0 = 0; t0 < nkeys; t0 += VEC) {
             const int nk = min(VEC, nkeys - t0);
-            /* scores, lane j = key t0 + j, inserted by a lane select (registers only) */
-            pa_vt sv[RB];
-            #pragma unroll
-            for (int r = 0; r < RB; ++r) sv[r] = (pa_vt)(-PK_INFINITY);
+            /* The chunk's K and V rows, converted once into private vectors (L1): every row
+             * then reads them, and each accumulator is loaded and stored once per chunk, not
+             * once per key (RB x DV accumulators do not fit the registers). */
+            pa_vt kf[VEC][NQV];
+            pa_vt vf[VEC][NAV];
+            pa_vt bad = (pa_vt)(0.0f);
             for (int j = 0; j < nk; ++j) {
-                const int kpos = pg * BS + t0 + j;
-                pa_vt kr[NQV];
                 #pragma unroll
-                for (int c = 0; c < NQV; ++c) kr[c] = PA_VLOAD(kp + (t0 + j) * DQ + c * VEC);
-                #pragma unroll
-                for (int r = 0; r < RB; ++r) {
-                    pa_vt part = qv[r][0] * kr[0];
-                    #pragma unroll
-                    for (int c = 1; c < NQV; ++c) part = fma(qv[r][c], kr[c], part);
-                    const float dot = PA_HSUM(part);
-                    if (PA_KEEP(qpos[r], kpos))
-                        sv[r] = select(sv[r], (pa_vt)(PA_SCORE(dot, brow[r], qpos[r], kpos,
-                                                                 slope[r])), lanes == (pa_it)(j));
-                }
-            }
-            /* per row: the chunk's max, one rescale, the chunk's weights */
-            pa_vt pv[RB];
-            #pragma unroll
-            for (int r = 0; r < RB; ++r) {
-                const float mn = fmax(m[r], PA_HMAX(sv[r]));
-                const float shift = (mn == -PK_INFINITY) ? 0.0f : mn;
-                const float corr = exp(m[r] - shift); /* m = -inf: 0 */
-                const pa_vt e = PK_VEXP(sv[r] - (pa_vt)(shift));
-                l[r] = l[r] * corr + PA_HSUM(e);
-                m[r] = mn;
-                #pragma unroll
-                for (int c = 0; c < NAV; ++c) acc[r][c] *= (pa_vt)(corr);
-                pv[r] = e;
-            }
-            for (int j = 0; j < nk; ++j) {
-                const int kpos = pg * BS + t0 + j;
-                pa_vt vr[NAV];
-                pa_vt bad = (pa_vt)(0.0f);
+                for (int c = 0; c < NQV; ++c) kf[j][c] = PA_VLOAD(kp + (t0 + j) * DQ + c * VEC);
                 #pragma unroll
                 for (int c = 0; c < NAV; ++c) {
-                    vr[c] = PA_VLOAD(vp + (t0 + j) * DV + c * VEC);
-                    bad += vr[c] - vr[c]; /* 0, or NaN where an entry is NaN or +-inf */
+                    const pa_vt x = PA_VLOAD(vp + (t0 + j) * DV + c * VEC);
+                    vf[j][c] = x;
+                    bad += x - x; /* 0, or NaN where an entry is NaN or +-inf */
                 }
-                if (!all(isequal(bad, (pa_vt)(0.0f)))) { /* rare: zero them, poison rows */
+            }
+            for (int j = nk; j < VEC; ++j) { /* a partial chunk: zero rows, weight 0 */
+                #pragma unroll
+                for (int c = 0; c < NQV; ++c) kf[j][c] = (pa_vt)(0.0f);
+                #pragma unroll
+                for (int c = 0; c < NAV; ++c) vf[j][c] = (pa_vt)(0.0f);
+            }
+            if (!all(isequal(bad, (pa_vt)(0.0f)))) { /* rare: zero them, poison the rows */
+                for (int j = 0; j < nk; ++j) {
+                    pa_vt bj = (pa_vt)(0.0f);
                     #pragma unroll
-                    for (int c = 0; c < NAV; ++c)
-                        vr[c] = select((pa_vt)(0.0f), vr[c],
-                                       isequal(vr[c] - vr[c], (pa_vt)(0.0f)));
+                    for (int c = 0; c < NAV; ++c) {
+                        const pa_vt x = vf[j][c];
+                        bj += x - x;
+                        vf[j][c] = select((pa_vt)(0.0f), x, isequal(x - x, (pa_vt)(0.0f)));
+                    }
+                    if (!all(isequal(bj, (pa_vt)(0.0f))))
+                        #pragma unroll
+                        for (int r = 0; r < RB; ++r)
+                            poison[r] |= PA_KEEP(qpos[r], pg * BS + t0 + j);
+                }
+            }
+            /* Per row, the VEC keys side by side: every FMA chain below is VEC (scores) or
+             * NAV (accumulators) chains wide, so the FMA latency is hidden, not paid per term. */
+            #pragma unroll
+            for (int r = 0; r < RB; ++r) {
+                pa_vt part[VEC];
+                #pragma unroll
+                for (int j = 0; j < VEC; ++j) part[j] = qv[r][0] * kf[j][0];
+                #pragma unroll
+                for (int c = 1; c < NQV; ++c)
                     #pragma unroll
-                    for (int r = 0; r < RB; ++r) poison[r] |= PA_KEEP(qpos[r], kpos);
+                    for (int j = 0; j < VEC; ++j) part[j] = fma(qv[r][c], kf[j][c], part[j]);
+                /* scores, lane j = key t0 + j, inserted by a lane select (registers only) */
+                pa_vt sv = (pa_vt)(-PK_INFINITY);
+                #pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const int kpos = pg * BS + t0 + j;
+                    if (j < nk && PA_KEEP(qpos[r], kpos))
+                        sv = select(sv, (pa_vt)(PA_SCORE(PA_HSUM(part[j]), brow[r], qpos[r],
+                                                         kpos, slope[r])), lanes == (pa_it)(j));
+                }
+                /* the chunk's max, one rescale, the weights */
+                const float mn = fmax(m[r], PA_HMAX(sv));
+                const float shift = (mn == -PK_INFINITY) ? 0.0f : mn;
+                const float corr = exp(m[r] - shift); /* m = -inf: 0 */
+                const pa_vt e = PK_VEXP(sv - (pa_vt)(shift));
+                l[r] = l[r] * corr + PA_HSUM(e);
+                m[r] = mn;
+                const float* w = (const float*)&e;
+                pa_vt a[NAV];
+                #pragma unroll
+                for (int c = 0; c < NAV; ++c) a[c] = acc[r][c] * (pa_vt)(corr);
+                #pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const pa_vt wj = (pa_vt)(w[j]);
+                    #pragma unroll
+                    for (int c = 0; c < NAV; ++c) a[c] = fma(wj, vf[j][c], a[c]);
                 }
                 #pragma unroll
-                for (int r = 0; r < RB; ++r) {
-                    const pa_vt w = (pa_vt)(((float*)&pv[r])[j]);
-                    #pragma unroll
-                    for (int c = 0; c < NAV; ++c) acc[r][c] = fma(w, vr[c], acc[r][c]);
-                }
+                for (int c = 0; c < NAV; ++c) acc[r][c] = a[c];
             }
         }
     }
