@@ -55,6 +55,7 @@ from .suites import (
     make_inputs,
     metadata_inputs,
     operand_names,
+    peer_skip,
     suite_cases,
 )
 from .timing import Measurement, Sampler, TimingConfig, not_run, prepare, run_rounds
@@ -634,6 +635,13 @@ def run_case(be: Backend, case: BenchCase, host: Mapping[str, np.ndarray | None]
                               f"(it supports {', '.join(be.supported_dtypes())})").as_dict()
         derive(rec, roof)
         progress.line(f"        ours: unsupported ({case.dtype} on {be.label})")
+        return rec
+    skip = None if isinstance(be, KernelBackend) else peer_skip(case)
+    if skip:  # an array backend runs the op's semantics: the unfused peers' limits hold
+        rec["ours"] = not_run("not_applicable", f"{be.label} evaluates the semantics (gather "
+                              f"+ attention) as the unfused peers do: {skip}").as_dict()
+        derive(rec, roof)
+        progress.line(f"        ours: not applicable ({skip[:100]})")
         return rec
     try:
         native = {n: be.to_native(x) for n, x in host.items() if x is not None}
