@@ -224,7 +224,8 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 /* the chunk's max, one rescale, the weights */
                 const float mn = fmax(m[r], PA_HMAX(sv));
                 const float shift = (mn == -PK_INFINITY) ? 0.0f : mn;
-                const float corr = exp(m[r] - shift); /* m = -inf: 0 */
+                /* the rescale through the vector exp too (a libm call per row costs more) */
+                const float corr = PK_VEXP((pa_vt)(m[r] - shift)).s0; /* m = -inf: 0 */
                 const pa_vt e = PK_VEXP(sv - (pa_vt)(shift));
                 l[r] = l[r] * corr + PA_HSUM(e);
                 m[r] = mn;
