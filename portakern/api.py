@@ -10,7 +10,6 @@ from .core.errors import PortakernError
 from .core.spec import KernelSpec
 from .interop import TORCH_CLASSES, refuse_mixed
 from .ops import get_op
-from .ops.paged_attention import check_tables as check_paged_tables
 from .runtime.plan import dispatch
 
 # torch tensors go to their torch custom op (portakern/interop, docs/torch.md) before any
@@ -176,6 +175,11 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_le
     block_size), indexed by cache position. The tables' values are checked on the host first
     (a device array's are copied down: a few hundred bytes), naming a bad entry; long
     contexts are split across work-groups (``config={"SPLIT": n}`` forces n, 1 = unsplit)."""
+    tables = (q, k_cache, v_cache, block_table, seq_lens)
+    if q.__class__ in _TORCH:
+        return _torch("paged_attention", tables,
+                      {**kwargs, "scale": scale, "softcap": softcap, "window": window,
+                       "bias": bias, "alibi_slopes": alibi_slopes}, backend, config)
     out = kwargs.pop("out", None)
     if scale is not None:  # the spec's defaults are left out: a shorter plan key
         kwargs["scale"] = scale
@@ -187,12 +191,13 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_le
         kwargs["bias"] = bias
     if alibi_slopes is not None:
         kwargs["alibi_slopes"] = alibi_slopes
-    shape_k, shape_q = getattr(k_cache, "shape", None), getattr(q, "shape", None)
-    if shape_k is not None and shape_q is not None and len(shape_k) == 4 and len(shape_q) == 4:
-        check_paged_tables(block_table, seq_lens, int(shape_k[0]), int(shape_k[2]),
-                           int(shape_q[2]))
-    return dispatch(get_op("paged_attention"), (q, k_cache, v_cache, block_table, seq_lens),
-                    kwargs, backend, config, out)
+    # the spec's check_values refuses bad tables before any device work (runtime.plan)
+    try:
+        return dispatch(get_op("paged_attention"), tables, kwargs, backend, config, out)
+    except PortakernError:
+        if not refuse_mixed("paged_attention", tables, kwargs, out):
+            raise
+    return _torch("paged_attention", tables, kwargs, backend, config, out)
 
 
 _EPS = 1e-6  # rmsnorm's default; equal to the spec's (tests/test_api_defaults.py)

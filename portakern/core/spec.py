@@ -238,6 +238,11 @@ class KernelSpec:
     # config (tools without a device) keeps the automatic value, which the spec must read
     # as its device-independent default.
     fit_device: Callable[[Problem, dict[str, int], int], dict[str, int]] | None = None
+    # optional: check_values(operands by name) raises on operand *values* that no shape or
+    # dtype check can see (paged_attention's block table ids and lengths), before any
+    # device work. Every call of the op runs it (runtime.plan.dispatch), cached plan or not;
+    # it may copy small device tables to the host, and skips values it cannot know (tracers).
+    check_values: Callable[[Mapping[str, Any]], None] | None = None
     doc: str = ""
     # A +inf tolerance bound marks an element the op leaves unspecified (judged by neither
     # check) where the oracle is finite. True: also where the oracle is NaN or infinite, for an

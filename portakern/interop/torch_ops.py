@@ -568,8 +568,10 @@ _AUTOGRAD: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
 note_torch_loaded()  # torch came after portakern: tensors are known from now on
 # built-in parameters whose default (None) does not say their schema type
 _BUILTIN_PARAM_TYPES = {"attention": {"window": "int[]?"},
-                        "attention_backward": {"window": "int[]?"}}
-for _name in ("matmul", "softmax", "attention", "rmsnorm", "attention_backward"):
+                        "attention_backward": {"window": "int[]?"},
+                        "paged_attention": {"window": "int[]?"}}
+for _name in ("matmul", "softmax", "attention", "rmsnorm", "attention_backward",
+              "paged_attention"):
     register(_name, param_types=_BUILTIN_PARAM_TYPES.get(_name))
 for _name in list(OPS):  # user ops registered so far; one torch cannot take is refused
     with contextlib.suppress(PortakernError):  # on its first call, with the reason

@@ -234,6 +234,17 @@ def check_tables(block_table: Any, seq_lens: Any, num_blocks: int, block_size: i
             "entry at a page of k_cache/v_cache (entries past them are never read).")
 
 
+def check_operand_values(arrays: Mapping[str, Any]) -> None:
+    """The spec's ``check_values``: ``check_tables`` with the sizes read from the operands'
+    shapes (a malformed shape is left to validation, which names it)."""
+    q, k = arrays.get("q"), arrays.get("k_cache")
+    shape_q, shape_k = getattr(q, "shape", None), getattr(k, "shape", None)
+    if shape_q is None or shape_k is None or len(shape_q) != 4 or len(shape_k) != 4:
+        return
+    check_tables(arrays.get("block_table"), arrays.get("seq_lens"), int(shape_k[0]),
+                 int(shape_k[2]), int(shape_q[2]))
+
+
 # --- schedule: rows per group, splits -----------------------------------------------------
 def rows_per_group(p: Problem, cfg: Mapping[str, int]) -> int:
     """RB, compile-time: the schedule's, or fewer when the kv head has fewer rows (G * Sq,
@@ -522,6 +533,7 @@ SPEC = KernelSpec(
                # but Oclgrind 21.10 reports its 16-lane splats as uninitialised)
                "cpu": {"WG": 1, "VEC": 8, "RB": 8, "SPLIT": 0}},
     fit_device=fit_device,
+    check_values=check_operand_values,
     unspecified_nonfinite=True,
     cases=paged_case,
     example=example,

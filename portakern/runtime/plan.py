@@ -155,6 +155,8 @@ def dispatch(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
     it does not take, the backend's fully checked run)."""
     key: tuple | None
     plan: Plan | None
+    if spec.check_values is not None:  # values no shape check sees (index tables)
+        spec.check_values(_arrays(spec, args, kwargs))
     try:  # _key, inlined: this is every call's path
         key = plan_key(spec, args, kwargs, backend, config)
         plan = _LOOKUP(key)

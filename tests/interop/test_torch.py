@@ -530,3 +530,19 @@ def test_a_modifier_without_a_torch_backward_refuses_to_differentiate() -> None:
     out = pk.attention(q, k, v, softcap=5.0, backend="numpy")
     with pytest.raises(pk.InvalidArgumentError, match="no torch backward for softcap"):
         out.sum().backward()
+
+
+def test_paged_attention_takes_tensors_and_refuses_a_bad_table() -> None:
+    """pk.paged_attention on CPU tensors equals the arrays' call (window as int[]), and a
+    block id outside the cache is refused by name before any work, as for arrays."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 4, 1, 8)).astype(np.float32)
+    kc, vc = (rng.standard_normal((4, 2, 4, 8)).astype(np.float32) for _ in range(2))
+    bt, sl = np.array([[0, 1], [3, 2]], np.int32), np.array([7, 5], np.int32)
+    want = pk.paged_attention(q, kc, vc, bt, sl, window=3, softcap=2.0, backend="numpy")
+    got = pk.paged_attention(*map(torch.from_numpy, (q, kc, vc, bt, sl)), window=3,
+                             softcap=2.0, backend="numpy")
+    np.testing.assert_array_equal(got.numpy(), want)
+    bad = torch.from_numpy(np.array([[0, 1], [3, 9]], np.int32))
+    with pytest.raises(pk.InvalidArgumentError, match=r"block_table\[1, 1\] = 9"):
+        pk.paged_attention(*map(torch.from_numpy, (q, kc, vc)), bad, torch.from_numpy(sl))

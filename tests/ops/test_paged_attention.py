@@ -10,6 +10,7 @@ cases (paged_attention.paged_case) too; these are the fixed cases a reader can f
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -195,6 +196,8 @@ def test_bad_tables_are_refused_before_any_device_work(name: str, index: tuple[i
     with pytest.raises(pk.InvalidArgumentError) as info:
         pk.paged_attention(**a, backend=be)
     assert words in str(info.value) and "Fix:" in str(info.value)
+    with pytest.raises(pk.InvalidArgumentError, match=re.escape(words)):  # the spec's own check
+        pk.call("paged_attention", **a, backend=be)
     assert be.transfers.h2d == before  # nothing was uploaded
 
 
@@ -256,12 +259,16 @@ def _simulator() -> None:
                  "apt-get install oclgrind (scripts/setup.sh installs it)")
 
 
+_UNCHECKED: list[object] = []
+
+
 @pytest.mark.simulator
 @pytest.mark.parametrize("schedule", ["gpu", "cpu"])
 def test_simulator_split_and_unchecked_bad_tables(schedule: str) -> None:
-    """Unsplit and split on Oclgrind; then tables no check has seen (pk.call does not look at
-    values): ids past the pool, negative ids, lengths past the table. Oclgrind raises on any
-    out-of-bounds access; the kernel clamps as the semantics do, so they still agree."""
+    """Unsplit and split on Oclgrind; then tables no check has seen (a copy of the spec
+    without check_values): ids past the pool, negative ids, lengths past the table.
+    Oclgrind raises on any out-of-bounds access; the kernel clamps as the semantics do, so
+    they still agree."""
     _simulator()
     rng = np.random.default_rng(3)
     a = paged(rng, B=2, Hq=2, Hkv=1, Sq=2, D=16, BS=4, MB=5, lens=[6, 20], pad=None)
@@ -271,7 +278,10 @@ def test_simulator_split_and_unchecked_bad_tables(schedule: str) -> None:
     bad = {**a, "block_table": a["block_table"].copy(), "seq_lens": np.array([-5, 99], np.int32)}
     bad["block_table"][0, 0] = -7
     bad["block_table"][1, 4] = 10**6
-    got = pk.call(SPEC, **bad, backend=SIM, config={**cfg, "SPLIT": 2, "WG": min(cfg["WG"], 32)})
+    unchecked = SPEC.replace(name="paged_attention_unchecked", check_values=None)
+    _UNCHECKED.append(unchecked)  # alive: backends key their caches on the spec's id
+    got = pk.call(unchecked, **bad, backend=SIM,
+                  config={**cfg, "SPLIT": 2, "WG": min(cfg["WG"], 32)})
     v = compare_case(SPEC, Case(bad, {}, "unchecked"), got, SIM)
     assert v.ok, str(v)
 

@@ -274,7 +274,8 @@ def test_inputs_are_deterministic_per_case() -> None:
                                               "D": 4, "Dv": 4})
     a, b = suites.make_inputs(c), suites.make_inputs(suites.BenchCase.from_dict(c.as_dict()))
     assert a["k"].shape == (1, 1, 5, 4) and a["k"].dtype.name == "bfloat16"
-    assert list(a) == ["q", "k", "v", "mask"] and a["mask"] is None  # absent optional operand
+    assert list(a) == ["q", "k", "v", "mask", "bias", "alibi_slopes"]  # every operand, in order
+    assert a["mask"] is None and a["bias"] is None and a["alibi_slopes"] is None  # absent ones
     for n in ("q", "k", "v"):
         x, y = a[n], b[n]
         assert x is not None and y is not None
