@@ -787,27 +787,34 @@ def _score_mod_case(ch: Chooser, rng: np.random.Generator, dtype: str, b: int, h
     """Windows (left only, both sides, 0, past the ends), soft caps (small enough to bend
     the scores, or 50 as Gemma 2), biases (broadcast shapes, N(0, 1) to N(0, 30), -inf
     entries that drop keys) and ALiBi slopes (the geometric series of the paper, or random),
-    each in about a fifth of the cases: drawn after every other draw, so the cases without
-    them keep their values."""
+    each in about a fifth of the cases. Drawn from the case's own generator, not the chooser,
+    so the chooser's stream, and with it every case of a sequence, is what it was before
+    the modifiers existed (the mutant checks draw 40 cases in a row)."""
+    def boolean(p: float) -> bool:
+        return bool(rng.random() < p)
+
+    def choice(options: tuple[Any, ...]) -> Any:
+        return options[int(rng.integers(len(options)))]
+
     arrays: dict[str, Any] = {}
     params: dict[str, Any] = {}
     note = ""
-    if ch.boolean(0.2):
-        left = ch.choice((0, 1, 3, 16, 200))
-        params["window"] = left if ch.boolean(0.5) else (left, ch.choice((0, 2, 17, 300)))
+    if boolean(0.2):
+        left = choice((0, 1, 3, 16, 200))
+        params["window"] = left if boolean(0.5) else (left, choice((0, 2, 17, 300)))
         note += f" window{params['window']}"
-    if ch.boolean(0.2):
-        params["softcap"] = ch.choice((0.5, 2.0, 50.0))
+    if boolean(0.2):
+        params["softcap"] = choice((0.5, 2.0, 50.0))
         note += f" softcap{params['softcap']}"
-    if ch.boolean(0.2):
-        bshape = ch.choice(((sq, sk), (b, hq, sq, sk), (1, hq, 1, sk), (sk,)))
-        bias = rng.standard_normal(bshape) * ch.choice((1.0, 30.0))
-        if ch.boolean(0.3):
+    if boolean(0.2):
+        bshape = choice(((sq, sk), (b, hq, sq, sk), (1, hq, 1, sk), (sk,)))
+        bias = rng.standard_normal(bshape) * choice((1.0, 30.0))
+        if boolean(0.3):
             bias[rng.random(bshape) < 0.2] = -np.inf
         arrays["bias"] = dtypes.cast_to(bias, dtype)
         note += f" bias{bshape}"
-    if ch.boolean(0.15):
-        slopes = (2.0 ** (-8.0 * np.arange(1, hq + 1) / hq) if ch.boolean(0.5)
+    if boolean(0.15):
+        slopes = (2.0 ** (-8.0 * np.arange(1, hq + 1) / hq) if boolean(0.5)
                   else rng.random(hq) * 2.0)
         arrays["alibi_slopes"] = slopes.astype(np.float32)
         note += " alibi"

@@ -170,11 +170,11 @@ MUTANTS = {
     "attention: the scale multiplies the dot after it, not q before it": (
         "attention",
         ("int nqb, PK_ACC_T scale,",
-         "    const int g = PK_GROUP_ID(0);\n    const int bh = g / nqb;",
+         "    const int split = gs - g * nsplit;\n    const int bh = g / nqb;",
          "            /* The accumulators are copied into a tile-local array"),
         ("int nqb, PK_ACC_T scale_after,",
          "    const PK_ACC_T scale = (PK_ACC_T)1; /* q unscaled */\n"
-         "    const int g = PK_GROUP_ID(0);\n    const int bh = g / nqb;",
+         "    const int split = gs - g * nsplit;\n    const int bh = g / nqb;",
          "            for (int t = 0; t < TQ; ++t)\n"
          "                for (int c = 0; c < NSV; ++c) sv[t][c] *= (vt)(scale_after);\n"
          "            /* The accumulators are copied into a tile-local array"),
