@@ -235,6 +235,15 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], refs: Any) -> tuple[np.ndarr
                         + (d["Sq"] * g + 2) * u * np.matmul(np.swapaxes(np.abs(ds), -1, -2), aq))
         b_dv = (np.matmul(np.swapaxes(e_p, -1, -2), ado)
                 + (d["Sq"] * g + 2) * u * np.matmul(np.swapaxes(pr, -1, -2), ado))
+        # Underflow: a P or dS below the smallest normal may flush to zero (XLA:CPU and
+        # GPUs flush subnormals), an absolute loss of `tiny` in P (times |dP - delta| in dS)
+        # plus `tiny` in dS itself. dQ and dK carry it times scale and |k| or |q|, so with a
+        # large scale it is far above the floor below (found: scale 30, dK -8.5e-37 vs 0).
+        tiny = float(np.finfo(p.info.compute).tiny)
+        t_ds = tiny * (1.0 + np.abs(dp - delta))
+        b_dq = b_dq + scale * np.matmul(t_ds, ak)
+        b_dk = b_dk + scale * np.matmul(np.swapaxes(t_ds, -1, -2), aq)
+        b_dv = b_dv + tiny * np.sum(ado, axis=-2, keepdims=True)
     if g > 1:
         b, hkv, sk = d["B"], d["Hkv"], d["Sk"]
         b_dk = b_dk.reshape(b, hkv, g, sk, -1).sum(axis=2)

@@ -79,7 +79,7 @@ def test_cases_cover_every_op_dtype_schedule_and_arch() -> None:
     for op in BUILTIN_OPS:
         mine = [c for c in CASES if c.op == op]
         scheds = set(get_op(op).schedules)
-        assert scheds == {"cpu", "gpu"}
+        assert scheds >= {"cpu", "gpu"}  # matmul adds "mma" (the fragment schedule)
         assert {(c.dtype, c.schedule, c.arch) for c in mine} == {
             (d, s, a) for d in want_dtypes for s in scheds for a in want_archs}
         assert all(c.source and c.error is None for c in mine)
@@ -158,7 +158,8 @@ def test_main_prints_the_table_and_writes_results(tmp_path, capsys) -> None:  # 
 
     data = json.loads(out_file.read_text())
     assert {r["status"] for r in data["results"]} == {"ok"}
-    assert len(data["results"]) == 2 * 2 * 2  # ops x schedules x archs
+    schedules = len(get_op("softmax").schedules) + len(get_op("matmul").schedules)
+    assert len(data["results"]) == schedules * 2  # (op, schedule) pairs x archs
 
 
 def test_cli_routes_compile_only(capsys) -> None:  # noqa: ANN001
