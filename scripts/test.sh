@@ -7,9 +7,10 @@
 # keeps memory maps per compiled executable; tests/conftest.py clears jax's caches before
 # vm.max_map_count is reached, which once segfaulted a single long process.) Every backend is
 # still tested; each run prints its own summary of the backends it did NOT test and why.
-# The jax half is bound by XLA compilations (one per new shape, mostly on one thread), so it
-# runs on two pytest-xdist workers (work stealing: a few long pallas cases would otherwise
-# leave one worker idle at the end); the OpenCL half keeps one process (PoCL uses every core).
+# Both halves run on two pytest-xdist workers (work stealing: a few long cases would otherwise
+# leave one worker idle at the end). On a fresh machine they are bound by compilations, each
+# on one thread: XLA's (one per new shape) and the OpenCL compilers' (PoCL's and Intel's
+# LLVM, one per new kernel variant), while one process left half of two cores idle.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
@@ -27,6 +28,6 @@ run() {
   fi
   [ "$rc" -eq 0 ] || status=$rc
 }
-run numpy,opencl,cuda "$@"
+run numpy,opencl,cuda -n 2 --dist worksteal "$@"
 PORTAKERN_TEST_TARGET_TESTS_ONLY=1 run jax -n 2 --dist worksteal "$@"
 exit "$status"

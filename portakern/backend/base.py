@@ -578,15 +578,18 @@ class KernelBackend(Backend):
         defs = spec.defines(prob, cfg)
         slot_key = tuple(sorted((k, dtypes.dtype_name(v)) for k, v in slots.items()))
         low = self.fragments() if codegen.uses_fragments(spec.source) else None
+        # the entry points too: run-time switches (attention's split) change the kernels a
+        # plan launches, not the source, and a compile keeps only the ones it was asked for
+        entries = kernel_entry_points(spec, prob, cfg)
         key = (spec.name, spec.token, slot_key, tuple(sorted(defs.items())),
-               low.key if low is not None else None)
+               low.key if low is not None else None, entries)
         got = self._kernels.get(key)
         if got is None:
             with self._lock:
                 got = self._kernels.get(key)
                 if got is None:
                     src = spec.render(self.dialect or "", prob, cfg, low)
-                    got = self.compile(src, kernel_entry_points(spec, prob, cfg))
+                    got = self.compile(src, entries)
                     self._kernels[key] = got
         return got
 

@@ -17,7 +17,7 @@
  * loads (tiles wholly outside every query's window are never loaded). With any modifier on,
  * the vector path takes its key-by-key (masked) branch for every tile.
  *
- * Split-K (AT_SPLIT, decode: few queries, many keys): the keys are cut into nsplit ranges
+ * Split-K (nsplit > 1, decode: few queries, many keys): the keys are cut into nsplit ranges
  * of `chunk` keys (a multiple of BK) and each work-group takes one (batch, head, query
  * block, range): the group index runs over ranges fastest. A group writes its rows' partial
  * state, PART[(row * nsplit + split) * (DV_ + 2) + ...] = (max, sum, unnormalised acc), and
@@ -25,8 +25,10 @@
  * each range weighted by exp(m - M) (0 for a range with nothing attended), then the output
  * and the lse as without the split.
  *
- * AT_LSE (return_lse=True): each row's log-sum-exp m + log(l) is written to LSE (B, Hq, Sq)
- * in the compute type; without it LSE is never touched.
+ * lse_on (return_lse=True): each row's log-sum-exp m + log(l) is written to LSE (B, Hq, Sq)
+ * in the compute type; without it LSE is never touched. Both are run-time arguments, not
+ * compile-time switches: they act once per row, after the key loop, and as switches they
+ * multiplied the kernels compiled per shape.
  *
  * Non-finite values, as attention.semantics: the scale is folded into q before the dot; a key
  * whose V row holds a NaN or an inf scores NaN (AT_NAN) for the rows allowed to attend it,
@@ -132,8 +134,10 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                          PK_GLOBAL const float* PK_RESTRICT SLOPES,
                          int Sq, int Sk, int Hq, int group, int nqb, PK_ACC_T scale,
                          int causal, int has_mask, int ms0, int ms1, int ms2, int ms3, int Skp,
-                         int wl, int wr, PK_ACC_T cap, int bs0, int bs1, int bs2, int bs3,
-                         PK_GLOBAL PK_ACC_T* PK_RESTRICT PART, int nsplit, int chunk)
+                         int wl, int wr, PK_ACC_T cap, int mods,
+                         int bs0, int bs1, int bs2, int bs3,
+                         PK_GLOBAL PK_ACC_T* PK_RESTRICT PART, int nsplit, int chunk,
+                         int lse_on)
 {
     const int gs = PK_GROUP_ID(0);
     const int g = gs / nsplit;
@@ -148,20 +152,13 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
     const int kvrow0 = (b * Hkv + h / group) * Sk;
     const int lid = PK_LOCAL_ID(0);
     const int q0 = qb * QB + lid * QI; /* this item's first query */
-#if AT_ALIBI
-    const PK_ACC_T slope = (PK_ACC_T)SLOPES[h];
-#else
-    const PK_ACC_T slope = (PK_ACC_T)0;
-#endif
+    const PK_ACC_T slope = AT_HAS(AT_BIT_ALIBI) ? (PK_ACC_T)SLOPES[h] : (PK_ACC_T)0;
     /* a kept key's modified score (attention_mods.c); brow: the query's bias row */
-#if AT_BIAS
-#define AT_BIAS_AT(brow, kj) PK_LOAD_T(BIAS, (brow) + (kj) * bs3)
-#else
-#define AT_BIAS_AT(brow, kj) ((PK_ACC_T)0)
-#endif
+#define AT_BIAS_AT(brow, kj) \
+    (AT_HAS(AT_BIT_BIAS) ? PK_LOAD_T(BIAS, (brow) + (kj) * bs3) : (PK_ACC_T)0)
 #define AT_SCORE(s, brow, qi, kj) \
-    (AT_MOD ? at_modify((s), AT_BIAS_AT(brow, kj), slope, (qi), (kj), cap) : (s))
-#define AT_KEEP(qi, kj) (!AT_WIN || at_in_window((qi), (kj), wl, wr))
+    (AT_HAS_MOD ? at_modify((s), AT_BIAS_AT(brow, kj), slope, (qi), (kj), cap, mods) : (s))
+#define AT_KEEP(qi, kj) (!AT_HAS(AT_BIT_WIN) || at_in_window((qi), (kj), wl, wr))
 
 #if AT_VEC
     typedef at_vt vt;
@@ -229,12 +226,12 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
 
     int kend = causal ? min(Sk, qb * QB + QB) : Sk;
     int kstart = 0;
-#if AT_WIN
-    /* the group's queries qb*QB .. qb*QB + QB - 1 attend keys from first - wl to last + wr:
-     * whole tiles outside that range are skipped (kstart stays a multiple of BK) */
-    kstart = max(0, qb * QB - wl) / BK * BK;
-    if (wr < kend - (qb * QB + QB - 1)) kend = qb * QB + QB + wr;
-#endif
+    if (AT_HAS(AT_BIT_WIN)) {
+        /* the group's queries qb*QB .. qb*QB + QB - 1 attend keys from first - wl to last
+         * + wr: whole tiles outside that range are skipped (kstart stays a multiple of BK) */
+        kstart = max(0, qb * QB - wl) / BK * BK;
+        if (wr < kend - (qb * QB + QB - 1)) kend = qb * QB + QB + wr;
+    }
     /* this group's key range (the whole of it without a split); chunk is a multiple of BK */
     kstart = max(kstart, split * chunk);
     kend = min(kend, split * chunk + chunk);
@@ -331,7 +328,7 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
              * test uses the block's first query, the one the causal bound cuts most. */
             const int masked = has_mask || k0 + BK > Sk || (causal && k0 + BK - 1 > q0 + t0)
                                || AT_TBAD /* a bad V row: key by key, below */
-                               || AT_MOD || AT_WIN;
+                               || AT_MODS;
             if (masked) {
                 #pragma unroll
                 for (int t = 0; t < TQ; ++t)
@@ -495,8 +492,7 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
 #if AT_VEC
         l[t] = at_lane_sum(lsum[t]);
 #endif
-#if AT_SPLIT
-        {   /* this range's partial state; attention_combine finishes the row */
+        if (nsplit > 1) {   /* this range's partial state; attention_combine finishes the row */
             PK_GLOBAL PK_ACC_T* part = PART + ((bh * Sq + qi) * nsplit + split) * (DV_ + 2);
             part[0] = m[t];
             part[1] = l[t];
@@ -509,15 +505,12 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
 #endif
             continue;
         }
-#endif
         /* dead: no key attended (max -inf, sum exactly 0); a NaN sum is alive and stays NaN */
         const int dead = m[t] == -PK_INFINITY && l[t] == (PK_ACC_T)0;
         const PK_ACC_T inv = dead ? (PK_ACC_T)0 : (PK_ACC_T)1 / l[t];
-#if AT_LSE
         /* the row's log-sum-exp, scale included (the backward recomputes P from it): -inf
          * for a dead row; NaN wherever l is (the row's output is NaN there too) */
-        LSE[bh * Sq + qi] = dead ? -(PK_ACC_T)PK_INFINITY : m[t] + log(l[t]);
-#endif
+        if (lse_on) LSE[bh * Sq + qi] = dead ? -(PK_ACC_T)PK_INFINITY : m[t] + log(l[t]);
 #if AT_VEC
         PK_ACC_T* ar = (PK_ACC_T*)&acc[t][0];
         for (int d = 0; d < DV; ++d) PK_STORE_T(O, (bh * Sq + qi) * DV + d, ar[d] * inv);
@@ -534,7 +527,8 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
  * every range is. */
 PK_KERNEL void attention_combine(PK_GLOBAL const PK_ACC_T* PK_RESTRICT PART,
                                  PK_GLOBAL PK_T_T* PK_RESTRICT O,
-                                 PK_GLOBAL PK_ACC_T* PK_RESTRICT LSE, int rows, int nsplit)
+                                 PK_GLOBAL PK_ACC_T* PK_RESTRICT LSE, int rows, int nsplit,
+                                 int lse_on)
 {
     const int row = PK_GROUP_ID(0) * PK_LOCAL_SIZE(0) + PK_LOCAL_ID(0);
     if (row >= rows) return;
@@ -555,9 +549,7 @@ PK_KERNEL void attention_combine(PK_GLOBAL const PK_ACC_T* PK_RESTRICT PART,
     if (nan) l = AT_NAN;
     const int dead = mx == -PK_INFINITY && l == (PK_ACC_T)0;
     const PK_ACC_T inv = dead ? (PK_ACC_T)0 : (PK_ACC_T)1 / l;
-#if AT_LSE
-    LSE[row] = dead ? -(PK_ACC_T)PK_INFINITY : mx + log(l);
-#endif
+    if (lse_on) LSE[row] = dead ? -(PK_ACC_T)PK_INFINITY : mx + log(l);
     for (int d = 0; d < DV; ++d) {
         PK_ACC_T a = (PK_ACC_T)0;
         for (int s = 0; s < nsplit; ++s) {

@@ -365,12 +365,7 @@ def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
     return {"BQ": cfg["BQ"], "BK": effective_bk(p, cfg), "TQ": cfg["TQ"], "RQ": cfg["RQ"],
             "VEC": cfg["VEC"],
             "DQ": p.derived["D"], "DV": p.derived["Dv"], "PACK_KV": int(packs_kv(p, cfg)),
-            "AT_LSE": int(p.params.get("return_lse", False)),
-            "AT_BIAS": int(p.shapes.get("bias") is not None),
-            "AT_ALIBI": int(p.shapes.get("alibi_slopes") is not None),
-            "AT_CAP": int(p.params.get("softcap") is not None),
-            "AT_WIN": int(p.params.get("window") is not None),
-            "AT_SPLIT": int(split_plan(p, cfg)[0] > 1),
+            "AT_MODS": int(score_mods(p) != 0),
             "AT_MMA": int(uses_mma(p, cfg)), "AM_BK": MMA_BK,
             "AM_BF16": int(p.dtype == "bfloat16")}
 
@@ -390,7 +385,8 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
                           (bk, 1, 1), (Buf("k"), Buf("v"), Buf("kt"), Buf("vp"),
                                        Scalar(d["Sk"]), Scalar(skp))))
     kt, vp = ("kt", "vp") if packed else ("q", "q")  # unread without PACK_KV
-    lse = "lse" if p.params.get("return_lse") else "out"  # unwritten without AT_LSE
+    lse_on = int(bool(p.params.get("return_lse")))
+    lse = "lse" if lse_on else "out"  # unwritten without lse_on
     args = (Buf("q"), Buf("k"), Buf("v"), Buf("mask" if has_mask else "q"), Buf("out"),
             Buf(lse), Buf(kt), Buf(vp), *score_mod_buffers(p),
             Scalar(d["Sq"]), Scalar(d["Sk"]), Scalar(d["Hq"]), Scalar(d["Hq"] // d["Hkv"]),
@@ -398,8 +394,8 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
             Scalar(int(has_mask)), Scalar(ms[0]), Scalar(ms[1]), Scalar(ms[2]), Scalar(ms[3]),
             Scalar(skp), *score_mod_args(p))
     nsplit, chunk = split_plan(p, cfg)
-    part = "part" if nsplit > 1 else "out"  # unwritten without AT_SPLIT
-    args += (Buf(part), Scalar(nsplit), Scalar(chunk))
+    part = "part" if nsplit > 1 else "out"  # unwritten without a split
+    args += (Buf(part), Scalar(nsplit), Scalar(chunk), Scalar(lse_on))
     if mma:  # the fragment schedule (attention_mma.c): 16 queries per group of 64 items
         main = Launch("attention_mma", (d["B"] * d["Hq"] * nqb * nsplit, 1, 1),
                       (MMA_ITEMS, 1, 1), args)
@@ -411,7 +407,8 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
     rows = d["B"] * d["Hq"] * d["Sq"]
     wg = 64
     combine = Launch("attention_combine", (cdiv(rows, wg), 1, 1), (wg, 1, 1),
-                     (Buf("part"), Buf("out"), Buf(lse), Scalar(rows), Scalar(nsplit)))
+                     (Buf("part"), Buf("out"), Buf(lse), Scalar(rows), Scalar(nsplit),
+                      Scalar(lse_on)))
     return pre + [main, combine]
 
 
@@ -421,16 +418,31 @@ def score_mod_buffers(p: Problem) -> tuple[Buf, Buf]:
             Buf("alibi_slopes" if p.shapes.get("alibi_slopes") is not None else "q"))
 
 
+# attention_mods.c's bits of the kernels' `mods` argument
+MOD_BITS = {"bias": 1, "alibi_slopes": 2, "softcap": 4, "window": 8}
+
+
+def score_mods(p: Problem) -> int:
+    """The call's modifiers as attention_mods.c's `mods` bits. Run-time data, not compile-time
+    switches: every combination shares the one kernel compiled with AT_MODS (a compile costs
+    far more than three tests per score, and up to 16 variants per shape filled the cache)."""
+    on = {"bias": p.shapes.get("bias") is not None,
+          "alibi_slopes": p.shapes.get("alibi_slopes") is not None,
+          "softcap": p.params.get("softcap") is not None,
+          "window": p.params.get("window") is not None}
+    return sum(bit for name, bit in MOD_BITS.items() if on[name])
+
+
 def score_mod_args(p: Problem) -> tuple[Scalar, ...]:
-    """wl, wr, cap, bs0..bs3 (attention_mods.c): a window without a right edge has wr = Sk
-    (no key lies further right than that); absent modifiers pass values never read."""
+    """wl, wr, cap, mods, bs0..bs3 (attention_mods.c): a window without a right edge has
+    wr = Sk (no key lies further right than that); absent modifiers pass values never read."""
     window = p.params.get("window")
     left, right = window if window is not None else (0, None)
     right = p.derived["Sk"] if right is None else min(right, p.derived["Sk"])
     left = min(left, max(p.derived["Sq"], 1))  # a query never looks further left than Sq
     cap = p.params.get("softcap") or 1.0
     bs = p.derived.get("bias_strides", [0, 0, 0, 0])
-    return (Scalar(left), Scalar(right), Scalar(cap, "acc"),
+    return (Scalar(left), Scalar(right), Scalar(cap, "acc"), Scalar(score_mods(p)),
             Scalar(bs[0]), Scalar(bs[1]), Scalar(bs[2]), Scalar(bs[3]))
 
 

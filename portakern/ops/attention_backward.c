@@ -14,7 +14,8 @@
  * first), dP_ij = dO_i . V_j and dS_ij = P_ij (dP_ij - DELTA_i). No atomics: every output
  * element has one writer, so results are the same bits run to run. Keys a row does not attend
  * (causal: j > i, top-left aligned as the forward; MASK, broadcast strides ms0..ms3; a
- * window (AT_WIN, attention_mods.c: wl, wr) as the forward's) have
+ * window (AB_WIN, this op's compile-time switch, the backward taking no score modifier;
+ * attention_mods.c's at_in_window, wl, wr) as the forward's) have
  * P = 0, and so does every key of a dead row (LSE = -inf): its gradient is 0.
  * Layouts (contiguous): Q, dO, O, dQ (B, Hq, Sq, D or DV); K, V, dK, dV (B, Hkv, Sk, D or DV);
  * LSE, DELTA (B, Hq, Sq) in the compute type. Accumulation in the compute type (PK_ACC_T).
@@ -39,7 +40,7 @@ PK_DEVICE_FN int ab_keep(PK_GLOBAL const unsigned char* PK_RESTRICT MASK, int b,
                          int wl, int wr)
 {
     if (causal && j > i) return 0;
-    if (AT_WIN && !at_in_window(i, j, wl, wr)) return 0;
+    if (AB_WIN && !at_in_window(i, j, wl, wr)) return 0;
     return !has_mask || MASK[b * ms0 + h * ms1 + i * ms2 + j * ms3] != 0;
 }
 
@@ -341,13 +342,13 @@ PK_KERNEL void attention_bwd_dkdv_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
                     AB_VSTORE(p * (dpv[t][c] - dl), c, &dst[t][0]);
                 }
             }
-            if (has_mask || (causal && i0 < j0 + TK - 1) || AT_WIN) { /* lane by lane */
+            if (has_mask || (causal && i0 < j0 + TK - 1) || AB_WIN) { /* lane by lane */
                 for (int t = 0; t < TK; ++t) {
                     const int jt = min(j0 + t, Sk - 1);
                     for (int c = 0; c < BLK; ++c) {
                         const int i = i0 + c;
                         int ok = i < Sq && (!causal || i >= j0 + t);
-                        if (AT_WIN && !at_in_window(i, jt, wl, wr)) ok = 0;
+                        if (AB_WIN && !at_in_window(i, jt, wl, wr)) ok = 0;
                         if (ok && has_mask) ok = MASK[b * ms0 + h * ms1 + i * ms2 + jt * ms3] != 0;
                         if (!ok) { pt[t][c] = (PK_ACC_T)0; dst[t][c] = (PK_ACC_T)0; }
                     }
@@ -463,14 +464,14 @@ PK_KERNEL void attention_bwd_dq_vec(PK_GLOBAL const PK_T_T* PK_RESTRICT DO,
                 const ab_vt p = PK_VEXP(sv[t][c] - (ab_vt)(ls[t]));
                 AB_VSTORE(p * (dpv[t][c] - (ab_vt)(dl[t])), c, &dst[t][0]);
             }
-        if (has_mask || k0 + BLK > Sk || (causal && k0 + BLK - 1 > i0) || AT_WIN) {
+        if (has_mask || k0 + BLK > Sk || (causal && k0 + BLK - 1 > i0) || AB_WIN) {
             /* lane by lane */
             for (int t = 0; t < TQ; ++t) {
                 const int i = min(i0 + t, Sq - 1);
                 for (int c = 0; c < BLK; ++c) {
                     const int j = k0 + c;
                     int ok = j < Sk && (!causal || j <= i);
-                    if (AT_WIN && !at_in_window(i, j, wl, wr)) ok = 0;
+                    if (AB_WIN && !at_in_window(i, j, wl, wr)) ok = 0;
                     if (ok && has_mask) ok = MASK[b * ms0 + h * ms1 + i * ms2 + j * ms3] != 0;
                     if (!ok) dst[t][c] = (PK_ACC_T)0;
                 }

@@ -138,7 +138,7 @@ def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
     return {"WG": cfg["WG"], "DQ": p.derived["D"], "DV": p.derived["Dv"],
             "VEC": ab_vec(p, cfg), "TQ": cfg["TQ"], "TK": cfg["TK"], "NV": cfg["NV"],
-            "AT_WIN": int(p.params.get("window") is not None)}
+            "AB_WIN": int(p.params.get("window") is not None)}
 
 
 def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:

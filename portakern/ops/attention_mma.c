@@ -31,7 +31,7 @@
  *    one and never stores it). Each element is rescaled by its row's corr (the row from
  *    PK_MMA_C_ROW), then O += P V, AM_BK/16 tile products.
  *  - The end: O / l (0 for a dead row: max -inf and l exactly 0), and the lse, or with
- *    AT_SPLIT the range's partial (m, l, O) for attention_combine (attention.c).
+ *    split (nsplit > 1) the range's partial (m, l, O) for attention_combine (attention.c).
  * Causal, window and split-K bound the key range per group as attention.c does. */
 #define AM_WAVES (64 / PK_MMA_WAVE)
 #define AM_DQP (((DQ_ + 15) / 16) * 16)
@@ -87,8 +87,9 @@ void attention_mma(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                    PK_GLOBAL const float* PK_RESTRICT SLOPES,
                    int Sq, int Sk, int Hq, int group, int nqb, PK_ACC_T scale,
                    int causal, int has_mask, int ms0, int ms1, int ms2, int ms3, int Skp,
-                   int wl, int wr, PK_ACC_T cap, int bs0, int bs1, int bs2, int bs3,
-                   PK_GLOBAL PK_ACC_T* PK_RESTRICT PART, int nsplit, int chunk)
+                   int wl, int wr, PK_ACC_T cap, int mods, int bs0, int bs1, int bs2, int bs3,
+                   PK_GLOBAL PK_ACC_T* PK_RESTRICT PART, int nsplit, int chunk,
+                   int lse_on)
 {
     PK_LOCAL unsigned short Ks[AM_BK * AM_DQP]; /* Ks[j * AM_DQP + d]; Q first, once */
     PK_LOCAL unsigned short Vs[AM_BK * AM_DVP]; /* Vs[j * AM_DVP + d] */
@@ -114,16 +115,9 @@ void attention_mma(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
     const int Hkv = Hq / group;
     const int kvrow0 = (b * Hkv + h / group) * Sk;
     const int q0 = qb * 16;
-#if AT_ALIBI
-    const PK_ACC_T slope = (PK_ACC_T)SLOPES[h];
-#else
-    const PK_ACC_T slope = (PK_ACC_T)0;
-#endif
-#if AT_BIAS
-#define AM_BIAS_AT(brow, kj) PK_LOAD_T(BIAS, (brow) + (kj) * bs3)
-#else
-#define AM_BIAS_AT(brow, kj) ((PK_ACC_T)0)
-#endif
+    const PK_ACC_T slope = AT_HAS(AT_BIT_ALIBI) ? (PK_ACC_T)SLOPES[h] : (PK_ACC_T)0;
+#define AM_BIAS_AT(brow, kj) \
+    (AT_HAS(AT_BIT_BIAS) ? PK_LOAD_T(BIAS, (brow) + (kj) * bs3) : (PK_ACC_T)0)
 
     /* Q, once, through Ks: A fragments of the 16 rows, AM_NQ k steps. bf16: q * s2, s2 the
      * largest power of two <= scale (exact: bf16 has fp32's exponent range, save where
@@ -160,10 +154,10 @@ void attention_mma(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 
     int kend = causal ? min(Sk, q0 + 16) : Sk;
     int kstart = 0;
-#if AT_WIN
-    kstart = max(0, q0 - wl) / AM_BK * AM_BK;
-    if (wr < kend - (q0 + 15)) kend = q0 + 16 + wr;
-#endif
+    if (AT_HAS(AT_BIT_WIN)) {
+        kstart = max(0, q0 - wl) / AM_BK * AM_BK;
+        if (wr < kend - (q0 + 15)) kend = q0 + 16 + wr;
+    }
     kstart = max(kstart, split * chunk); /* chunk: a multiple of AM_BK */
     kend = min(kend, split * chunk + chunk);
     for (int k0 = kstart; k0 < kend; k0 += AM_BK) {
@@ -210,16 +204,13 @@ void attention_mma(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
             for (int j = 0; j < AM_BK; ++j) {
                 const int kj = k0 + j;
                 int ok = qi < Sq && kj < Sk && (!causal || kj <= qi);
-#if AT_WIN
-                if (ok) ok = at_in_window(qi, kj, wl, wr);
-#endif
+                if (ok && AT_HAS(AT_BIT_WIN)) ok = at_in_window(qi, kj, wl, wr);
                 if (ok && has_mask) ok = MASK[mrow + kj * ms3] != 0;
                 PK_ACC_T sj = -PK_INFINITY;
                 if (ok) {
                     sj = Ss[r * AM_BK + j] * sf; /* the scale (its rest) after the dot */
-#if AT_BIAS || AT_ALIBI || AT_CAP
-                    sj = at_modify(sj, AM_BIAS_AT(brow, kj), slope, qi, kj, cap);
-#endif
+                    if (AT_HAS_MOD)
+                        sj = at_modify(sj, AM_BIAS_AT(brow, kj), slope, qi, kj, cap, mods);
                     if (Vb[j]) sj = AT_NAN;
                 }
                 Ss[r * AM_BK + j] = sj;
@@ -263,18 +254,14 @@ void attention_mma(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
     if (tid < 16) {
         Ms[r] = m;
         Ls[r] = l;
-#if AT_SPLIT
-        if (qi < Sq) {
+        if (qi < Sq && nsplit > 1) {
             PK_GLOBAL PK_ACC_T* part = PART + ((bh * Sq + qi) * nsplit + split) * (DV_ + 2);
             part[0] = m;
             part[1] = l;
-        }
-#elif AT_LSE
-        if (qi < Sq) {
+        } else if (qi < Sq && lse_on) {
             const int dead = m == -PK_INFINITY && l == (PK_ACC_T)0;
             LSE[bh * Sq + qi] = dead ? -(PK_ACC_T)PK_INFINITY : m + log(l);
         }
-#endif
     }
     PK_BARRIER();
     for (int i = 0; i < AM_OPW; ++i) {
@@ -284,14 +271,15 @@ void attention_mma(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
             const int rr = PK_MMA_C_ROW(lane, e), n = f * 16 + PK_MMA_C_COL(lane, e);
             const int qq = q0 + rr;
             if (qq >= Sq || n >= DV) continue;
-#if AT_SPLIT
-            PART[((bh * Sq + qq) * nsplit + split) * (DV_ + 2) + 2 + n] = o[i].x[e];
-#else
-            const PK_ACC_T mr = Ms[rr], lr = Ls[rr];
-            const int dead = mr == -PK_INFINITY && lr == (PK_ACC_T)0;
-            const PK_ACC_T inv = dead ? (PK_ACC_T)0 : (PK_ACC_T)1 / lr;
-            PK_STORE_T(O, (bh * Sq + qq) * DV + n, o[i].x[e] * inv);
-#endif
+            const PK_ACC_T x = o[i].x[e]; /* read once, before the branch: o stays in registers */
+            if (nsplit > 1) {
+                PART[((bh * Sq + qq) * nsplit + split) * (DV_ + 2) + 2 + n] = x;
+            } else {
+                const PK_ACC_T mr = Ms[rr], lr = Ls[rr];
+                const int dead = mr == -PK_INFINITY && lr == (PK_ACC_T)0;
+                const PK_ACC_T inv = dead ? (PK_ACC_T)0 : (PK_ACC_T)1 / lr;
+                PK_STORE_T(O, (bh * Sq + qq) * DV + n, x * inv);
+            }
         }
     }
 }

@@ -4,7 +4,7 @@
  * page pool; BT (B, MB) int block table; SL (B,) int, tokens in the cache per sequence (the Sq
  * new ones included); O (B, Hq, Sq, DV). Token t of sequence b sits in page BT[b][t / BS] at
  * slot t % BS. Query i of sequence b sits at position SL[b] - Sq + i and attends positions
- * <= its own (causal, bottom-right aligned), further bounded by the window (AT_WIN).
+ * <= its own (causal, bottom-right aligned), further bounded by the window (the window, attention_mods.c).
  *
  * One work-group = one (split, sequence, kv head, block of RB query rows). Its rows are the
  * G = Hq / Hkv query heads sharing the kv head times the Sq queries (grouped-query packing):
@@ -39,14 +39,12 @@
 #define PA_OPI ((RB * DV_ + WG - 1) / WG) /* outputs per item, scalar path */
 PK_DEVICE_FN int pa_clamp(int x, int hi) { return x < 0 ? 0 : (x > hi ? hi : x); }
 
-#if AT_BIAS
-#define PA_BIAS_AT(brow, kp) PK_LOAD_T(BIAS, (brow) + (kp) * bs3)
-#else
-#define PA_BIAS_AT(brow, kp) ((PK_ACC_T)0)
-#endif
+/* (inside the kernel: mods, bs3, wl, wr, cap in scope; attention_mods.c) */
+#define PA_BIAS_AT(brow, kp) \
+    (AT_HAS(AT_BIT_BIAS) ? PK_LOAD_T(BIAS, (brow) + (kp) * bs3) : (PK_ACC_T)0)
 #define PA_SCORE(s, brow, qp, kp, slope) \
-    (AT_MOD ? at_modify((s), PA_BIAS_AT(brow, kp), (slope), (qp), (kp), cap) : (s))
-#define PA_KEEP(qp, kp) ((kp) <= (qp) && (!AT_WIN || at_in_window((qp), (kp), wl, wr)))
+    (AT_HAS_MOD ? at_modify((s), PA_BIAS_AT(brow, kp), (slope), (qp), (kp), cap, mods) : (s))
+#define PA_KEEP(qp, kp) ((kp) <= (qp) && (!AT_HAS(AT_BIT_WIN) || at_in_window((qp), (kp), wl, wr)))
 
 #if PA_VEC
 typedef PK_CAT(float, VEC) pa_vt;
@@ -99,7 +97,7 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                                PK_GLOBAL PK_ACC_T* PK_RESTRICT PA,
                                int Sq, int Hq, int Hkv, int NB, int BS, int MB, int nrb,
                                int nsplit, int pps, int nrows, PK_ACC_T scale, int wl, int wr,
-                               PK_ACC_T cap, int bs0, int bs1, int bs2, int bs3)
+                               PK_ACC_T cap, int mods, int bs0, int bs1, int bs2, int bs3)
 {
     /* (no `%` beside a `/`: LLVM pairs them behind a `freeze` Oclgrind 21.10 cannot run) */
     const int g = PK_GROUP_ID(0);
@@ -119,9 +117,7 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
     /* this split's pages, below the length, and (window) not wholly left of every query */
     int p_lo = s * pps;
     const int p_hi = min(p_lo + pps, (L + BS - 1) / BS);
-#if AT_WIN
-    p_lo = max(p_lo, max(0, q0pos - wl) / BS);
-#endif
+    if (AT_HAS(AT_BIT_WIN)) p_lo = max(p_lo, max(0, q0pos - wl) / BS);
     /* row r of the block: query head kvh * G + rr / Sq, query rr % Sq (rr = rb * RB + r) */
 #define PA_ROW_OK(r) (rb * RB + (r) < R)
 #define PA_QH0(r) ((rb * RB + (r)) / Sq)
@@ -150,11 +146,7 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         qpos[r] = ok ? q0pos + PA_QI(r) : -1; /* a row past R keeps no key */
         brow[r] = ok ? PA_BROW(r) : 0;
         poison[r] = 0;
-#if AT_ALIBI
-        slope[r] = ok ? SLOPES[PA_QH(r)] : 0.0f;
-#else
-        slope[r] = 0.0f;
-#endif
+        slope[r] = ok && AT_HAS(AT_BIT_ALIBI) ? SLOPES[PA_QH(r)] : 0.0f;
     }
     const pa_it lanes = PA_LANES;
     for (int pg = p_lo; pg < p_hi; ++pg) {
@@ -293,11 +285,8 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 if (PA_ROW_OK(r) && PA_KEEP(qp, kpos)) {
                     PK_ACC_T dot = (PK_ACC_T)0;
                     for (int d = 0; d < DQ; ++d) dot += Qs[r][d] * PK_LOAD_T(KC, row * DQ + d);
-#if AT_ALIBI
-                    const PK_ACC_T slope = (PK_ACC_T)SLOPES[PA_QH(r)];
-#else
-                    const PK_ACC_T slope = (PK_ACC_T)0;
-#endif
+                    const PK_ACC_T slope =
+                        AT_HAS(AT_BIT_ALIBI) ? (PK_ACC_T)SLOPES[PA_QH(r)] : (PK_ACC_T)0;
                     sc = vbad ? PA_NAN : PA_SCORE(dot, PA_BROW(r), qp, kpos, slope);
                 }
                 Ss[r][lid] = sc;

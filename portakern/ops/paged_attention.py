@@ -294,10 +294,7 @@ def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
     return {"WG": cfg["WG"], "VEC": cfg["VEC"], "RB": rows_per_group(p, cfg),
             "DQ": p.derived["D"], "DV": p.derived["Dv"], "PA_ST": _store_kind(p.dtype),
             "PA_SPLIT": int(splits(p, cfg)[0] > 1),
-            "AT_BIAS": int(p.shapes.get("bias") is not None),
-            "AT_ALIBI": int(p.shapes.get("alibi_slopes") is not None),
-            "AT_CAP": int(p.params.get("softcap") is not None),
-            "AT_WIN": int(p.params.get("window") is not None)}
+            "AT_MODS": int(attention.score_mods(p) != 0)}
 
 
 def workspace(p: Problem, cfg: Mapping[str, int]) -> dict[str, tuple[int, str]]:
@@ -331,7 +328,7 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
             Scalar(d["BS"]), Scalar(d["MB"]), Scalar(nrb), Scalar(ns), Scalar(pps),
             Scalar(rows), Scalar(p.params["scale"], "acc"), Scalar(min(left, cap)),
             Scalar(cap if right is None else min(right, cap)),
-            Scalar(p.params.get("softcap") or 1.0, "acc"),
+            Scalar(p.params.get("softcap") or 1.0, "acc"), Scalar(attention.score_mods(p)),
             Scalar(bs[0]), Scalar(bs[1]), Scalar(bs[2]), Scalar(bs[3]))
     out = [Launch("paged_attention", (d["B"] * d["Hkv"] * nrb * ns, 1, 1), (cfg["WG"], 1, 1),
                   args)]

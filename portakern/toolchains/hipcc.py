@@ -272,7 +272,8 @@ def toolchain_failure(res: HipCompile, name: str) -> ToolchainError | None:
     of its messages points into ``name`` and hipcc cannot build a one-line kernel for that
     architecture either (``probe_arch``; e.g. no device libraries). None otherwise: the
     caller reports a CompileError with the numbered source."""
-    if res.ok or re.search(rf"^{re.escape(name)}:\d+:\d+: ", res.log, re.M):
+    # an error (not a warning) at a line of the source: the source's fault
+    if res.ok or re.search(rf"^{re.escape(name)}:\d+:\d+: (fatal )?error", res.log, re.M):
         return None
     why = probe_arch(res.arch)
     if not why:

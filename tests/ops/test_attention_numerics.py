@@ -395,3 +395,33 @@ def test_generator_small_sk_nonfinite_cases_match_oracle(target: str) -> None:
         got = pk.call(SPEC, backend=target, **case.arrays, **case.params)
         v = compare(SPEC, case, got)
         assert v.ok, f"attention on {target}: {case.describe()}: {v.worst_ratio:.3g} {v.where}"
+
+
+def test_every_modifier_combination_shares_one_compiled_kernel(kernel_target: str) -> None:
+    """The modifiers, return_lse and split-K are run-time arguments (attention_mods.c): after
+    one call with a modifier, the fourteen other combinations of a shape compile nothing, and
+    the unmodified call compiles its own kernel once (AT_MODS off, the default's speed)."""
+    be = selection.get(kernel_target)
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 2, 5, 24)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 37, 24)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 37, 24)).astype(np.float32)
+    mods = {"window": (3, 2), "softcap": 2.0,
+            "bias": rng.standard_normal((5, 37)).astype(np.float32),
+            "alibi_slopes": np.array([0.5, 0.25], np.float32)}
+    combos = [{n: mods[n] for j, n in enumerate(mods) if bits >> j & 1} for bits in range(1, 16)]
+
+    def inserts() -> int:
+        return be.cache_info()["kernels"]["inserts"]
+
+    pk.attention(q, k, v, backend=kernel_target, **combos[0])
+    before = inserts()
+    for kw in combos[1:]:
+        for lse in (False, True):
+            got = pk.attention(q, k, v, backend=kernel_target, return_lse=lse, **kw)
+            out = got[0] if lse else got
+            ref = pk.attention(q, k, v, backend="numpy", **kw)
+            np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5, err_msg=str(kw))
+    assert inserts() == before, "a modifier combination or return_lse compiled a kernel"
+    pk.attention(q, k, v, backend=kernel_target)
+    assert inserts() == before + 1, "the unmodified call must have its own kernel"

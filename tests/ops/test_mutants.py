@@ -196,10 +196,10 @@ MUTANTS = {
         ("const PK_ACC_T s = !ok ? -PK_INFINITY : AT_VBAD(jb + j)",
          "const PK_ACC_T sj = ok ? AT_SCORE(pt[t][j], brow, qi, kj) : -PK_INFINITY;",
          "const PK_ACC_T sj = !ok ? -PK_INFINITY : AT_VBAD(j)"),
-        ("const PK_ACC_T s = !ok ? (AT_CAP ? -cap : -PK_INFINITY) : AT_VBAD(jb + j)",
+        ("const PK_ACC_T s = !ok ? (AT_HAS(AT_BIT_CAP) ? -cap : -PK_INFINITY) : AT_VBAD(jb + j)",
          "const PK_ACC_T sj = ok ? AT_SCORE(pt[t][j], brow, qi, kj)"
-         " : (AT_CAP ? -cap : -PK_INFINITY);",
-         "const PK_ACC_T sj = !ok ? (AT_CAP ? -cap : -PK_INFINITY) : AT_VBAD(j)"), {},
+         " : (AT_HAS(AT_BIT_CAP) ? -cap : -PK_INFINITY);",
+         "const PK_ACC_T sj = !ok ? (AT_HAS(AT_BIT_CAP) ? -cap : -PK_INFINITY) : AT_VBAD(j)"), {},
         "float32"),
     "attention: ALiBi with the wrong sign": (
         "attention", "s = s - slope * (PK_ACC_T)", "s = s + slope * (PK_ACC_T)", {}, "float32"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import types
 
@@ -56,8 +57,12 @@ CASES = compile_check.cases(compile_check.DEFAULT_ARCHS)  # rendering only; NVRT
 @pytest.fixture(scope="module")
 def precompiled(request: pytest.FixtureRequest) -> None:
     """Compile the selected cases once, in parallel processes (NVRTC holds the GIL); each
-    parametrised test then reads its own result, so a failure still names its case."""
+    parametrised test then reads its own result, so a failure still names its case. Under
+    pytest-xdist each worker compiles only the cases it runs, one at a time (every worker
+    collects every item, so a precompile would repeat the whole list in each)."""
     _nvrtc()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     chosen = [item.callspec.params["case"] for item in request.session.items
               if getattr(item, "originalname", "") == "test_compiles_with_nvrtc"
               and "case" in getattr(getattr(item, "callspec", None), "params", {})]

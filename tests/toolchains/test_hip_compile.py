@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 
 import pytest
@@ -51,8 +52,11 @@ CASES = _ci_cases()
 
 @pytest.fixture(scope="module")
 def precompiled() -> None:
-    """Compile every case once, in parallel (hipcc processes); the tests read the memo."""
+    """Compile every case once, in parallel (hipcc processes); the tests read the memo.
+    Under pytest-xdist each worker compiles the cases it runs, as they come."""
     need_hipcc()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     compile_check.compile_cases(CASES)
 
 

@@ -12,6 +12,7 @@ import importlib
 import pytest
 
 import portakern as pk
+from portakern.core.errors import ToolchainError
 from portakern.tools import resources
 
 from conftest import require_tool
@@ -61,7 +62,7 @@ def test_default_half_attention_uses_matrix_units_without_spills(backend: str,
     for dt in ("float16", "bfloat16"):
         try:
             reports += resources.measure("attention", backend, arch, dt)
-        except pk.CompileError as e:
+        except (pk.CompileError, ToolchainError) as e:  # the link fails: no library
             if arch == "gfx1100" and "__ocml_" in str(e):
                 pytest.skip("this ROCm's device library has no gfx1100 (undefined __ocml_*)")
             raise
