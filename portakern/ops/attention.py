@@ -156,7 +156,7 @@ def semantics(xp: Any, q: Any, k: Any, v: Any, mask: Any = None, bias: Any = Non
     return out, lse[..., 0]
 
 
-def _scale(value: object, d: int) -> float:
+def checked_scale(value: object, d: int) -> float:
     if value is None:
         return 1.0 / math.sqrt(d) if d else 1.0
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -169,7 +169,7 @@ def _scale(value: object, d: int) -> float:
     return f
 
 
-def _window(value: object) -> tuple[int, int | None] | None:
+def checked_window(value: object) -> tuple[int, int | None] | None:
     """None, an int ``left`` or a pair (left, right) (right may be None) -> (left, right)."""
     if value is None:
         return None
@@ -189,7 +189,7 @@ def _window(value: object) -> tuple[int, int | None] | None:
     return left, right
 
 
-def _softcap(value: object) -> float | None:
+def checked_softcap(value: object) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) \
@@ -239,13 +239,13 @@ def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
     if not isinstance(causal, (bool, np.bool_)):
         raise InvalidArgumentError(f"attention: causal must be True or False; got {causal!r}.")
     params["causal"] = bool(causal)
-    params["scale"] = _scale(params["scale"], D)
+    params["scale"] = checked_scale(params["scale"], D)
     ret = params.get("return_lse", False)
     if not isinstance(ret, (bool, np.bool_)):
         raise InvalidArgumentError(f"attention: return_lse must be True or False; got {ret!r}.")
     params["return_lse"] = ret = bool(ret)
-    params["window"] = _window(params.get("window"))
-    params["softcap"] = _softcap(params.get("softcap"))
+    params["window"] = checked_window(params.get("window"))
+    params["softcap"] = checked_softcap(params.get("softcap"))
     target = (B, Hq, Sq, Sk)
     mstr = [0, 0, 0, 0]
     if mask is not None:
@@ -480,11 +480,11 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: Any) -> Any:
     where the range rule leaves a row to IEEE arithmetic in the compute type (unspecified).
     With ``return_lse`` (``ref`` = (out, lse)) one bound per output."""
     if not p.params.get("return_lse"):
-        return _bounds(p, x, ref, None)[0]
-    return _bounds(p, x, ref[0], ref[1])
+        return worst_case_bounds(p, x, ref, None)[0]
+    return worst_case_bounds(p, x, ref[0], ref[1])
 
 
-def _bounds(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray, lse: np.ndarray | None
+def worst_case_bounds(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray, lse: np.ndarray | None
             ) -> tuple[np.ndarray, np.ndarray | None]:
     """(the output's bound, the lse's bound or None). The lse = m + log(l) errs by at most
     the largest attended score's error (a shift of every score by at most e_max moves the
@@ -772,7 +772,7 @@ def attention_case(ch: Chooser, dtype: str) -> Case:
             scale = min(edge * big / top, 1e300) if top > 0 else 1.0
             note += f" edge {edge}"
     if kind == "nonfinite":
-        note += _attention_nonfinite(ch, rng, x)
+        note += nonfinite_entries(ch, rng, x)
     mask = None
     if causal:
         note += " causal"
@@ -788,13 +788,13 @@ def attention_case(ch: Chooser, dtype: str) -> Case:
     ret = ch.boolean(0.25)  # drawn last: the draws above keep their seeds
     if ret:
         note += " lse"
-    extra, mods, mod_note = _score_mod_case(ch, rng, dtype, b, hq, sq, sk)
+    extra, mods, mod_note = score_mod_case(ch, rng, dtype, b, hq, sq, sk)
     return Case({"q": x["q"], "k": x["k"], "v": x["v"], "mask": mask, **extra},
                 {"causal": causal, "scale": scale, "return_lse": ret, **mods},
                 (note + mod_note).strip())
 
 
-def _score_mod_case(ch: Chooser, rng: np.random.Generator, dtype: str, b: int, hq: int,
+def score_mod_case(ch: Chooser, rng: np.random.Generator, dtype: str, b: int, hq: int,
                     sq: int, sk: int) -> tuple[dict[str, Any], dict[str, Any], str]:
     """Windows (left only, both sides, 0, past the ends), soft caps (small enough to bend
     the scores, or 50 as Gemma 2), biases (broadcast shapes, N(0, 1) to N(0, 30), -inf
@@ -860,7 +860,7 @@ def _attention_range_values(ch: Chooser, rng: np.random.Generator,
     return out
 
 
-def _attention_nonfinite(ch: Chooser, rng: np.random.Generator, x: dict[str, np.ndarray]) -> str:
+def nonfinite_entries(ch: Chooser, rng: np.random.Generator, x: dict[str, np.ndarray]) -> str:
     """NaN and +-inf entries in q, k and v (in place), and sometimes a q row whose every score
     is -inf (+inf at q[..., i, d], k[..., :, d] negative): a row with nothing to attend."""
     notes = []

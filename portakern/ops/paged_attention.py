@@ -156,9 +156,9 @@ def validate(m: dict[str, ArrayMeta | None], params: dict[str, Any]) -> Problem:
         raise ShapeError(f"paged_attention: a call with queries needs pages: got k_cache "
                          f"{kc.shape} and block_table {bt.shape}; expected num_blocks, "
                          "block_size and max_blocks >= 1.")
-    params["scale"] = _param(lambda v: attention._scale(v, D), params.get("scale"))
-    params["window"] = _param(attention._window, params.get("window"))
-    params["softcap"] = _param(attention._softcap, params.get("softcap"))
+    params["scale"] = _param(lambda v: attention.checked_scale(v, D), params.get("scale"))
+    params["window"] = _param(attention.checked_window, params.get("window"))
+    params["softcap"] = _param(attention.checked_softcap, params.get("softcap"))
     cap = MB * BS
     bstr = [0, 0, 0, 0]
     if bias is not None:
@@ -402,10 +402,10 @@ def _vmax(xa: Mapping[str, np.ndarray], g: int) -> np.ndarray:
 
 
 def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarray:
-    """attention's worst-case bound of the gathered call (attention._bounds), plus ALiBi's
+    """attention's worst-case bound of the gathered call (attention.worst_case_bounds), plus ALiBi's
     extra rounding: an error e in a score moves the output by at most 2 e sum_j p_j |v_j|."""
     pa, xa, extra = as_attention(p, x)
-    bound = attention._bounds(pa, xa, ref, None)[0]
+    bound = attention.worst_case_bounds(pa, xa, ref, None)[0]
     g = p.derived["Hq"] // p.derived["Hkv"]
     return bound + 2.0 * extra * _vmax(xa, g)
 
@@ -465,12 +465,12 @@ def paged_case(ch: Chooser, dtype: str) -> Case:
          "k": normal(rng, (nb, hkv, bs, d), dtype), "v": normal(rng, (nb, hkv, bs, dv), dtype)}
     kind = ch.choice(("plain", "plain", "plain", "nonfinite", "magnitude"))
     if kind == "nonfinite":
-        note += attention._attention_nonfinite(ch, rng, x)
+        note += attention.nonfinite_entries(ch, rng, x)
     elif kind == "magnitude":
         x = {n: normal(rng, a.shape, dtype, 1e2) for n, a in x.items()}
         note += " magnitude"
     scale = None if ch.boolean(0.7) else ch.choice((0.05, 0.5, 2.0))
-    extra, mods, mod_note = attention._score_mod_case(ch, rng, dtype, b, hq, sq, mb * bs)
+    extra, mods, mod_note = attention.score_mod_case(ch, rng, dtype, b, hq, sq, mb * bs)
     mods = {k: v for k, v in mods.items() if k in ("window", "softcap")}
     return Case({"q": x["q"], "k_cache": x["k"], "v_cache": x["v"], "block_table": bt,
                  "seq_lens": lens, **extra}, {"scale": scale, **mods},
