@@ -403,9 +403,10 @@ def test_every_modifier_combination_shares_one_compiled_kernel(kernel_target: st
     the unmodified call compiles its own kernel once (AT_MODS off, the default's speed)."""
     be = selection.get(kernel_target)
     rng = np.random.default_rng(3)
-    q = rng.standard_normal((1, 2, 5, 24)).astype(np.float32)
-    k = rng.standard_normal((1, 2, 37, 24)).astype(np.float32)
-    v = rng.standard_normal((1, 2, 37, 24)).astype(np.float32)
+    # head dims no other test draws (the cache is the process's: its keys must be new here)
+    q = rng.standard_normal((1, 2, 5, 23)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 37, 23)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 37, 7)).astype(np.float32)
     mods = {"window": (3, 2), "softcap": 2.0,
             "bias": rng.standard_normal((5, 37)).astype(np.float32),
             "alibi_slopes": np.array([0.5, 0.25], np.float32)}
@@ -414,8 +415,10 @@ def test_every_modifier_combination_shares_one_compiled_kernel(kernel_target: st
     def inserts() -> int:
         return be.cache_info()["kernels"]["inserts"]
 
+    start = inserts()
     pk.attention(q, k, v, backend=kernel_target, **combos[0])
     before = inserts()
+    assert before == start + 1, "the first modified call of a new shape compiles one kernel"
     for kw in combos[1:]:
         for lse in (False, True):
             got = pk.attention(q, k, v, backend=kernel_target, return_lse=lse, **kw)
