@@ -2,7 +2,8 @@
 # portakern on a fresh NVIDIA GPU machine: set up, then compile-only check, the static resource
 # report for this GPU's architecture (`portakern resources`: the predicted side), the whole
 # test suite on cuda, the conformance check and the quick benchmark (the measured side), all
-# with CUPY_TF32=0. Everything
+# with CUPY_TF32=0, and the matrix-unit figures (bf16 matmul vs cuBLAS, fp16 attention vs
+# SDPA). Everything
 # (logs, results.json with GPU model, driver, CUDA and CuPy versions) lands in one folder:
 # $OUT if set, else ./gpu_out. 8 minutes in all: each step has its own `timeout` and is cut to
 # what is left of the budget, so a hung step cannot eat the rest.
@@ -156,6 +157,9 @@ EOF
     # default MMA=1 on sm_80+) against cuBLAS on the same device, goal >= 0.5x; the figures
     # land in mma_matmul.json and results.json. Never part of CI.
     run_step mma_matmul 60 "$PY" benchmarks/gpu_mma_matmul.py
+    # fp16 attention (the fragment schedule) against torch SDPA where torch has CUDA, else
+    # the unfused cuBLAS chain (named as such); goal >= 0.4x SDPA; mma_attention.json
+    run_step mma_attention 60 "$PY" benchmarks/gpu_mma_attention.py
     run_step pytest 200 "$PY" -m pytest -q -rs -p no:cacheprovider \
         --junitxml="$OUT/pytest.xml" tests
     run_step check 90 "${PK[@]}" check --backend cuda --out "$OUT/check.json"
@@ -199,12 +203,14 @@ for op in ("matmul", "softmax", "rmsnorm", "attention"):
     except ValueError:
         static[op] = None
 ok = all(s["rc"] in (0, "skipped") for s in steps) and any(s["step"] == "pytest" for s in steps)
-try:
-    mma = json.loads(read("mma_matmul.json") or "null")  # bf16 N=4096 vs cuBLAS
-except ValueError:
-    mma = None
+def figures(name):
+    try:
+        return json.loads(read(name) or "null")
+    except ValueError:
+        return None
 res = {"ok": ok, "gpu": gpu, "versions": versions, "steps": steps, "static_resources": static,
-       "mma_matmul": mma,
+       "mma_matmul": figures("mma_matmul.json"),  # bf16 N=4096 vs cuBLAS
+       "mma_attention": figures("mma_attention.json"),  # fp16 vs SDPA (or the unfused chain)
        "env": {k: os.environ.get(k) for k in ("CUPY_TF32", "PORTAKERN_TEST_BACKENDS",
                                                "PORTAKERN_HYPOTHESIS_PROFILE")},
        "seconds": int(time.time()) - int(os.environ["START_S"]),
