@@ -10,29 +10,12 @@ GPU is lent; writes $OUT_DIR/mma_attention.json. Never CI.
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import numpy as np
+from gpu_timing import cuda_timer, write_figures  # benchmarks/: the script's own folder
 
 SHAPE = {"B": 4, "H": 32, "S": 4096, "D": 128}  # a prefill block, FlashAttention's table
-
-
-def _timer(cp: Any) -> Any:
-    def timed(fn: Any, reps: int = 10) -> tuple[float, float, float]:
-        fn()
-        cp.cuda.Device().synchronize()
-        ts = []
-        for _ in range(reps):
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            e0.record()
-            fn()
-            e1.record()
-            e1.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
-        return float(np.median(ts)), float(np.min(ts)), float(np.max(ts))
-    return timed
 
 
 def _torch_sdpa(q: Any, k: Any, v: Any, causal: bool) -> Any | None:
@@ -78,7 +61,7 @@ def main() -> dict[str, Any]:
                    for _ in range(3))
         plan = plan_for(get_op("attention"), (q, k, v), {}, backend="cuda")
         out["kernels"] = [st.launch.kernel for st in plan.steps]
-        timed = _timer(cp)
+        timed = cuda_timer(cp)
         ours = timed(lambda: pk.attention(q, k, v, backend="cuda"))
         flops = 4.0 * b * h * s * s * d
         out.update(portakern_s=ours, portakern_tflops=flops / ours[0] / 1e12)
@@ -102,8 +85,4 @@ def main() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    res = main()
-    folder = os.environ.get("OUT_DIR", ".")
-    with open(os.path.join(folder, "mma_attention.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    print(json.dumps(res, default=str))
+    write_figures(main(), "mma_attention.json")

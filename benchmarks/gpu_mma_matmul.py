@@ -4,11 +4,11 @@ benchmarks/gpu_check.sh when a GPU is lent; writes $OUT_DIR/mma_matmul.json. Nev
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import numpy as np
+from gpu_timing import cuda_timer, write_figures  # benchmarks/: the script's own folder
 
 
 def main() -> dict[str, Any]:
@@ -29,18 +29,7 @@ def main() -> dict[str, Any]:
         plan = plan_for(get_op("matmul"), (a, b), {}, backend="cuda")
         out["kernels"] = [s.launch.kernel for s in plan.steps]
 
-        def timed(fn: Any, reps: int = 10) -> tuple[float, float, float]:
-            fn()
-            cp.cuda.Device().synchronize()
-            ts = []
-            for _ in range(reps):
-                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                e0.record()
-                fn()
-                e1.record()
-                e1.synchronize()
-                ts.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
-            return float(np.median(ts)), float(np.min(ts)), float(np.max(ts))
+        timed = cuda_timer(cp)
 
         ours = timed(lambda: pk.matmul(a, b, backend="cuda"))
         cublas = timed(lambda: cp.matmul(a, b))
@@ -59,8 +48,4 @@ def main() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    res = main()
-    folder = os.environ.get("OUT_DIR", ".")
-    with open(os.path.join(folder, "mma_matmul.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    print(json.dumps(res, default=str))
+    write_figures(main(), "mma_matmul.json")
