@@ -475,6 +475,9 @@ class OclgrindBackend(OpenCLBackend):
     in_order_queue = False  # a fresh, poisoned workspace per call: uninitialised reads show
     # always the spec's schedules, never a tuned entry: what the sweep and trace claim to check
     uses_tuned_configs = False
+    # Oclgrind 21.10 stops on llvm.prefetch ("Undefined external function"); a prefetch hint
+    # changes no value, so the simulated kernel is the same kernel without it
+    device_build_options = ("-DPK_NO_PREFETCH",)
 
     @classmethod
     def probe(cls) -> Availability:

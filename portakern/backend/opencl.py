@@ -82,6 +82,8 @@ class OpenCLBackend(KernelBackend):
     install_hint = ("pip install 'portakern[opencl]' and an OpenCL driver: "
                     "apt-get install pocl-opencl-icd (CPU) or your GPU vendor's ICD")
     extra_build_options: tuple[str, ...] = ()  # per device (the simulator: -cl-opt-disable)
+    # the device's own defines, on every build (the simulator: no prefetch hints, codegen)
+    device_build_options: tuple[str, ...] = ()
 
     @classmethod
     def opener(cls, selector: str | None) -> type[OpenCLBackend]:
@@ -369,7 +371,7 @@ class OpenCLBackend(KernelBackend):
 
     # kernels
     def compile(self, source: str, entry_points: tuple[str, ...]) -> dict[str, Any]:
-        options = list(BUILD_OPTIONS) + list(self.extra_build_options)
+        options = [*BUILD_OPTIONS, *self.device_build_options, *self.extra_build_options]
         prg = cl.Program(self.ctx, source)
         try:
             with warnings.catch_warnings():  # a successful build's log is not a warning:

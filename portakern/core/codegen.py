@@ -58,6 +58,13 @@ class Dialect:
     # the pointer qualifier of local/shared memory in a helper function's parameter
     # (OpenCL: __local; CUDA/HIP: none, a generic pointer)
     local_ptr: str = ""
+    # PK_PREFETCH(p): a hint that the cache line at p is read soon (format with {p}); it
+    # changes no value. OpenCL CPU runtimes leave OpenCL's own prefetch() empty, while
+    # clang's __builtin_prefetch becomes a prefetch instruction (PoCL, Intel): a CPU kernel
+    # streaming pages it reaches through a table (paged decode) fetches the next page while
+    # it computes on this one. Empty: no hint. A build defining PK_NO_PREFETCH gets none
+    # either (the simulator: Oclgrind 21.10 cannot run llvm.prefetch).
+    prefetch: str = ""
 
 
 _CUDA_IDS = "((({d}) == 0) ? {v}.x : (({d}) == 1) ? {v}.y : {v}.z)"
@@ -82,6 +89,7 @@ DIALECTS: dict[str, Dialect] = {
         fp64_pragma="#pragma OPENCL EXTENSION cl_khr_fp64 : enable",
         vectors=True,
         local_ptr="__local",
+        prefetch="__builtin_prefetch({p})",
         matrix_units=((r"\bcl_intel_subgroup_matrix_multiply_accumulate\b", "intel"),),
     ),
     "cuda": Dialect(
@@ -403,6 +411,21 @@ PK_DEVICE_FN unsigned short pk_float_to_bf16(float f) {
 """
 
 
+def _prefetch_lines(d: Dialect) -> list[str]:
+    """PK_PREFETCH(p): the dialect's hint where its compiler has it, else nothing."""
+    if not d.prefetch:
+        return ["#define PK_PREFETCH(p) ((void)0)"]
+    name = d.prefetch.split("(")[0]
+    return ["#if defined(__has_builtin) && !defined(PK_NO_PREFETCH)",
+            f"#if __has_builtin({name})",
+            f"#define PK_PREFETCH(p) {d.prefetch.format(p='(p)')}",
+            "#endif",
+            "#endif",
+            "#ifndef PK_PREFETCH",
+            "#define PK_PREFETCH(p) ((void)0)",
+            "#endif"]
+
+
 def _macro_block(d: Dialect) -> str:
     lines = [
         f"#define PK_KERNEL {d.kernel}",
@@ -420,6 +443,7 @@ def _macro_block(d: Dialect) -> str:
         f"#define PK_INFINITY {d.infinity}",
         f"#define PK_HAS_VECTOR {int(d.vectors)}",
         f"#define PK_LAUNCH_BOUNDS(n, m) {d.launch_bounds.format(n='n', m='m')}",
+        *_prefetch_lines(d),
         "#define PK_CAT_(a, b) a##b",
         "#define PK_CAT(a, b) PK_CAT_(a, b)",
     ]

@@ -23,9 +23,15 @@
  * is dead (writes 0) only when its max is -inf and its sum exactly 0.
  *
  * Two paths, one source. CPU schedule (PA_VEC: WG = 1, OpenCL vectors, fp32 compute): the
- * item keeps its rows' scaled q and accumulators as VEC-wide vectors, streams each page's K
- * and V rows once with vector loads (fp16 through vload_halfN: one conversion, no copy), and
- * takes the page in chunks of VEC keys: one max, one rescale and one vector exp per chunk.
+ * item keeps its rows' scaled q as VEC-wide vectors and takes each page in chunks of VEC
+ * keys. Q.K^T is register-blocked (two keys against every row: each K vector is loaded and
+ * converted once and used RB times), the VEC dot products per row come out of one
+ * transpose-and-add tree, then one max, a rescale only when the max rises, and one vector
+ * exp per row and chunk. P.V is register-blocked too (PA_CG accumulator vectors of every row
+ * stay in registers while the chunk's V rows stream past). The next page's lines are
+ * prefetched (PK_PREFETCH) while a page is computed: the pages sit wherever the block table
+ * puts them, so the hardware prefetcher cannot see them coming, and without it the kernel
+ * pays the memory's latency once per page on top of its arithmetic.
  * GPU schedule (scalar, any WG): tiles of WG keys; item j scores key j for every row into
  * local memory, items r < RB update row r's max and sum, then every item accumulates its
  * (row, d) outputs over the tile.
@@ -44,7 +50,8 @@ PK_DEVICE_FN int pa_clamp(int x, int hi) { return x < 0 ? 0 : (x > hi ? hi : x);
     (AT_HAS(AT_BIT_BIAS) ? PK_LOAD_T(BIAS, (brow) + (kp) * bs3) : (PK_ACC_T)0)
 #define PA_SCORE(s, brow, qp, kp, slope) \
     (AT_HAS_MOD ? at_modify((s), PA_BIAS_AT(brow, kp), (slope), (qp), (kp), cap, mods) : (s))
-#define PA_KEEP(qp, kp) ((kp) <= (qp) && (!AT_HAS(AT_BIT_WIN) || at_in_window((qp), (kp), wl, wr)))
+#define PA_AT_OR_BEFORE(kp, qp) ((kp) <= (qp)) /* scalars or int vectors */
+#define PA_KEEP(qp, kp) (PA_AT_OR_BEFORE(kp, qp) && (!AT_HAS(AT_BIT_WIN) || at_in_window((qp), (kp), wl, wr)))
 
 #if PA_VEC
 typedef PK_CAT(float, VEC) pa_vt;
@@ -67,8 +74,12 @@ typedef PK_CAT(int, VEC) pa_it;
 #endif
 /* lane reductions as halvings (.lo/.hi): shuffles the compiler keeps in registers */
 #if VEC == 16
-#define PA_HSUM(v) pa_hsum8((v).lo + (v).hi)
-#define PA_HMAX(v) pa_hmax8(fmax((v).lo, (v).hi))
+/* (the halves of a 16-lane vector through shuffle, not .lo/.hi: Oclgrind 21.10 reads the
+ * shadow of a 16-lane .hi from the wrong operand and reports every lane uninitialised) */
+#define PA_LO16(v) shuffle((v), (uint8)(0, 1, 2, 3, 4, 5, 6, 7))
+#define PA_HI16(v) shuffle((v), (uint8)(8, 9, 10, 11, 12, 13, 14, 15))
+#define PA_HSUM(v) pa_hsum8(PA_LO16(v) + PA_HI16(v))
+#define PA_HMAX(v) pa_hmax8(fmax(PA_LO16(v), PA_HI16(v)))
 #elif VEC == 8
 #define PA_HSUM(v) pa_hsum8(v)
 #define PA_HMAX(v) pa_hmax8(v)
@@ -76,11 +87,48 @@ typedef PK_CAT(int, VEC) pa_it;
 #define PA_HSUM(v) pa_hsum4(v)
 #define PA_HMAX(v) pa_hmax4(v)
 #endif
-PK_DEVICE_FN float pa_hsum4(float4 v) { const float2 a = v.lo + v.hi; return a.x + a.y; }
+/* (the last step through dot: a scalar a.x + a.y is vectorised by LLVM into a shuffle with an
+ * undefined lane, on which Oclgrind 21.10 crashes or misreports) */
+PK_DEVICE_FN float pa_hsum4(float4 v) { return dot(v.lo + v.hi, (float2)(1.0f)); }
 PK_DEVICE_FN float pa_hmax4(float4 v) { const float2 a = fmax(v.lo, v.hi); return fmax(a.x, a.y); }
 PK_DEVICE_FN float pa_hsum8(float8 v) { return pa_hsum4(v.lo + v.hi); }
 PK_DEVICE_FN float pa_hmax8(float8 v) { return pa_hmax4(fmax(v.lo, v.hi)); }
+/* PA_DOTS(p): the VEC lane sums of p[0..VEC-1] as one vector, lane j = sum of p[j]. A
+ * transpose-and-add tree: each stage adds two shuffles of a pair of vectors, halving the
+ * partials per key and doubling the keys per vector (VEC - 1 vector adds in all, against VEC
+ * separate reductions and lane inserts). Written with shuffle2 and constant masks, not
+ * swizzle concatenations such as (float4)(a.s01, b.s23): those leave shuffles with undefined
+ * lanes in the IR, even unoptimised, on which Oclgrind 21.10's uninitialised-value plugin
+ * crashes; PoCL and Intel compile either form to the same permutes. */
+#if VEC == 16
+#define PA_SH(a, b, ...) shuffle2((a), (b), (uint16)(__VA_ARGS__))
+#define PA_T1(a, b) (PA_SH(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) \
+                     + PA_SH(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+#define PA_T2(a, b) (PA_SH(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) \
+                     + PA_SH(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31))
+#define PA_T3(a, b) (PA_SH(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) \
+                     + PA_SH(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31))
+#define PA_T4(a, b) (PA_SH(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) \
+                     + PA_SH(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31))
+#define PA_Q8(p, o) PA_T2(PA_T1(p[o], p[o + 1]), PA_T1(p[o + 2], p[o + 3]))
+#define PA_DOTS(p) PA_T4(PA_T3(PA_Q8(p, 0), PA_Q8(p, 4)), PA_T3(PA_Q8(p, 8), PA_Q8(p, 12)))
+#elif VEC == 8
+#define PA_SH(a, b, ...) shuffle2((a), (b), (uint8)(__VA_ARGS__))
+#define PA_T1(a, b) (PA_SH(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + PA_SH(a, b, 4, 5, 6, 7, 12, 13, 14, 15))
+#define PA_T2(a, b) (PA_SH(a, b, 0, 1, 4, 5, 8, 9, 12, 13) + PA_SH(a, b, 2, 3, 6, 7, 10, 11, 14, 15))
+#define PA_T3(a, b) (PA_SH(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + PA_SH(a, b, 1, 3, 5, 7, 9, 11, 13, 15))
+#define PA_DOTS(p) PA_T3(PA_T2(PA_T1(p[0], p[1]), PA_T1(p[2], p[3])), \
+                         PA_T2(PA_T1(p[4], p[5]), PA_T1(p[6], p[7])))
+#else
+#define PA_SH(a, b, ...) shuffle2((a), (b), (uint4)(__VA_ARGS__))
+#define PA_T1(a, b) (PA_SH(a, b, 0, 1, 4, 5) + PA_SH(a, b, 2, 3, 6, 7))
+#define PA_T2(a, b) (PA_SH(a, b, 0, 2, 4, 6) + PA_SH(a, b, 1, 3, 5, 7))
+#define PA_DOTS(p) PA_T2(PA_T1(p[0], p[1]), PA_T1(p[2], p[3]))
+#endif
 #define NQV (DQ / VEC)
+#define PA_ESZ (PA_ST ? 2 : 4) /* bytes per stored element */
+/* accumulator vectors per row held in registers through P.V: RB * PA_CG <= 16 */
+#define PA_CG (16 / RB < NAV ? (16 / RB > 0 ? 16 / RB : 1) : NAV)
 #define NAV (DV / VEC)
 #endif
 
@@ -154,85 +202,153 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         const PK_GLOBAL PK_T_T* kp = KC + ((blk * Hkv + kvh) * BS) * DQ;
         const PK_GLOBAL PK_T_T* vp = VC + ((blk * Hkv + kvh) * BS) * DV;
         const int nkeys = min(BS, L - pg * BS); /* >= 1 */
+        if (pg + 1 < p_hi) { /* the next page's K and V lines, fetched while this one runs */
+            const int nblk = PA_BLOCK(pg + 1);
+            const PK_GLOBAL char* kn = (const PK_GLOBAL char*)(KC + ((nblk * Hkv + kvh) * BS) * DQ);
+            const PK_GLOBAL char* vn = (const PK_GLOBAL char*)(VC + ((nblk * Hkv + kvh) * BS) * DV);
+            for (int i = 0; i < BS * DQ * PA_ESZ; i += 64) PK_PREFETCH(kn + i);
+            for (int i = 0; i < BS * DV * PA_ESZ; i += 64) PK_PREFETCH(vn + i);
+        }
         for (int t0 = 0; t0 < nkeys; t0 += VEC) {
             const int nk = min(VEC, nkeys - t0);
-            /* The chunk's K and V rows, converted once into private vectors (L1): every row
-             * then reads them, and each accumulator is loaded and stored once per chunk, not
-             * once per key (RB x DV accumulators do not fit the registers). */
-            pa_vt kf[VEC][NQV];
-            pa_vt vf[VEC][NAV];
-            pa_vt bad = (pa_vt)(0.0f);
-            for (int j = 0; j < nk; ++j) {
+            const PK_GLOBAL PK_T_T* kc = kp + t0 * DQ;
+            const PK_GLOBAL PK_T_T* vc = vp + t0 * DV;
+            /* Q.K^T, register-blocked: two keys at a time against every row, each K vector
+             * loaded (converted) once and used RB times from a register. Lanes past nk read
+             * key nk - 1 again (in bounds); their scores are masked below. */
+            pa_vt part[RB][VEC];
+            #pragma unroll 1
+            for (int j = 0; j < VEC; j += 2) {
+                const int j0 = min(j, nk - 1), j1 = min(j + 1, nk - 1);
+                pa_vt s0[RB], s1[RB];
                 #pragma unroll
-                for (int c = 0; c < NQV; ++c) kf[j][c] = PA_VLOAD(kp + (t0 + j) * DQ + c * VEC);
-                #pragma unroll
-                for (int c = 0; c < NAV; ++c) {
-                    const pa_vt x = PA_VLOAD(vp + (t0 + j) * DV + c * VEC);
-                    vf[j][c] = x;
-                    bad += x - x; /* 0, or NaN where an entry is NaN or +-inf */
+                for (int r = 0; r < RB; ++r) {
+                    s0[r] = (pa_vt)(0.0f);
+                    s1[r] = (pa_vt)(0.0f);
                 }
-            }
-            for (int j = nk; j < VEC; ++j) { /* a partial chunk: zero rows, weight 0 */
                 #pragma unroll
-                for (int c = 0; c < NQV; ++c) kf[j][c] = (pa_vt)(0.0f);
-                #pragma unroll
-                for (int c = 0; c < NAV; ++c) vf[j][c] = (pa_vt)(0.0f);
-            }
-            if (!all(isequal(bad, (pa_vt)(0.0f)))) { /* rare: zero them, poison the rows */
-                for (int j = 0; j < nk; ++j) {
-                    pa_vt bj = (pa_vt)(0.0f);
+                for (int c = 0; c < NQV; ++c) {
+                    const pa_vt k0 = PA_VLOAD(kc + j0 * DQ + c * VEC);
+                    const pa_vt k1 = PA_VLOAD(kc + j1 * DQ + c * VEC);
                     #pragma unroll
-                    for (int c = 0; c < NAV; ++c) {
-                        const pa_vt x = vf[j][c];
-                        bj += x - x;
-                        vf[j][c] = select((pa_vt)(0.0f), x, isequal(x - x, (pa_vt)(0.0f)));
+                    for (int r = 0; r < RB; ++r) {
+                        s0[r] = fma(qv[r][c], k0, s0[r]);
+                        s1[r] = fma(qv[r][c], k1, s1[r]);
                     }
-                    if (!all(isequal(bj, (pa_vt)(0.0f))))
-                        #pragma unroll
-                        for (int r = 0; r < RB; ++r)
-                            poison[r] |= PA_KEEP(qpos[r], pg * BS + t0 + j);
+                }
+                #pragma unroll
+                for (int r = 0; r < RB; ++r) {
+                    part[r][j] = s0[r];
+                    part[r][j + 1] = s1[r];
                 }
             }
-            /* Per row, the VEC keys side by side: every FMA chain below is VEC (scores) or
-             * NAV (accumulators) chains wide, so the FMA latency is hidden, not paid per term. */
+            const pa_it kposv = (pa_it)(pg * BS + t0) + lanes;
+            /* (lanes past nk: the next page's positions when VEC > BS, which causal alone
+             * would keep) */
+            const pa_it live = lanes < (pa_it)(nk);
+            pa_vt wv[RB]; /* the chunk's weights per row, lane j = key t0 + j */
             #pragma unroll
             for (int r = 0; r < RB; ++r) {
-                pa_vt part[VEC];
-                #pragma unroll
-                for (int j = 0; j < VEC; ++j) part[j] = qv[r][0] * kf[j][0];
-                #pragma unroll
-                for (int c = 1; c < NQV; ++c)
+                /* the VEC dot products, lane j = key t0 + j: a transpose-and-add tree */
+                const pa_vt dots = PA_DOTS(part[r]);
+                pa_vt sv;
+                if (AT_HAS_MOD || AT_HAS(AT_BIT_WIN)) { /* modifiers, a window: lane by lane */
+                    const float* dj = (const float*)&dots;
+                    sv = (pa_vt)(-PK_INFINITY);
                     #pragma unroll
-                    for (int j = 0; j < VEC; ++j) part[j] = fma(qv[r][c], kf[j][c], part[j]);
-                /* scores, lane j = key t0 + j, inserted by a lane select (registers only) */
-                pa_vt sv = (pa_vt)(-PK_INFINITY);
-                #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const int kpos = pg * BS + t0 + j;
-                    if (j < nk && PA_KEEP(qpos[r], kpos))
-                        sv = select(sv, (pa_vt)(PA_SCORE(PA_HSUM(part[j]), brow[r], qpos[r],
-                                                         kpos, slope[r])), lanes == (pa_it)(j));
+                    for (int j = 0; j < VEC; ++j) {
+                        const int kpos = pg * BS + t0 + j;
+                        if (j < nk && PA_KEEP(qpos[r], kpos))
+                            sv = select(sv, (pa_vt)(PA_SCORE(dj[j], brow[r], qpos[r], kpos,
+                                                             slope[r])), lanes == (pa_it)(j));
+                    }
+                } else {
+                    sv = select((pa_vt)(-PK_INFINITY), dots,
+                                live & PA_AT_OR_BEFORE(kposv, (pa_it)(qpos[r])));
                 }
-                /* the chunk's max, one rescale, the weights */
-                const float mn = fmax(m[r], PA_HMAX(sv));
-                const float shift = (mn == -PK_INFINITY) ? 0.0f : mn;
-                /* the rescale through the vector exp too (a libm call per row costs more) */
-                const float corr = PK_VEXP((pa_vt)(m[r] - shift)).s0; /* m = -inf: 0 */
-                const pa_vt e = PK_VEXP(sv - (pa_vt)(shift));
-                l[r] = l[r] * corr + PA_HSUM(e);
-                m[r] = mn;
-                const float* w = (const float*)&e;
-                pa_vt a[NAV];
-                #pragma unroll
-                for (int c = 0; c < NAV; ++c) a[c] = acc[r][c] * (pa_vt)(corr);
-                #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const pa_vt wj = (pa_vt)(w[j]);
+                /* The chunk's max; rescale only when it rises (the factor would be exactly
+                 * 1 otherwise: the same sums, fewer operations). */
+                const float mc = PA_HMAX(sv);
+                if (mc > m[r]) {
+                    /* the rescale through the vector exp too (a libm call costs more) */
+                    const float corr = m[r] == -PK_INFINITY ? 0.0f
+                                       : PK_VEXP((pa_vt)(m[r] - mc)).s0;
+                    l[r] *= corr;
                     #pragma unroll
-                    for (int c = 0; c < NAV; ++c) a[c] = fma(wj, vf[j][c], a[c]);
+                    for (int c = 0; c < NAV; ++c) acc[r][c] *= (pa_vt)(corr);
+                    m[r] = mc;
+                }
+                const float shift = (m[r] == -PK_INFINITY) ? 0.0f : m[r];
+                wv[r] = PK_VEXP(sv - (pa_vt)(shift));
+                l[r] += PA_HSUM(wv[r]);
+            }
+            /* P.V, register-blocked: PA_CG accumulator vectors of every row stay in registers
+             * while the chunk's keys stream past, so each V vector is loaded (converted) once
+             * and used RB times. A V row holding a NaN or an inf (rare) is redone lane-exactly:
+             * its entries zeroed, the rows that keep its key poisoned. */
+            const float* w = (const float*)wv;
+            #pragma unroll
+            for (int c0 = 0; c0 < NAV; c0 += PA_CG) {
+                pa_vt a[RB][PA_CG];
+                pa_vt bad = (pa_vt)(0.0f);
+                #pragma unroll
+                for (int r = 0; r < RB; ++r)
+                    #pragma unroll
+                    for (int i = 0; i < PA_CG; ++i)
+                        if (c0 + i < NAV) a[r][i] = acc[r][c0 + i];
+                #pragma unroll 1
+                for (int j = 0; j < VEC; ++j) {
+                    const int jj = min(j, nk - 1);
+                    #pragma unroll
+                    for (int i = 0; i < PA_CG; ++i) {
+                        if (c0 + i < NAV) {
+                            const pa_vt x = PA_VLOAD(vc + jj * DV + (c0 + i) * VEC);
+                            bad = fma(x, (pa_vt)(0.0f), bad); /* NaN where x is not finite */
+                            #pragma unroll
+                            for (int r = 0; r < RB; ++r)
+                                a[r][i] = fma((pa_vt)(w[r * VEC + j]), x, a[r][i]);
+                        }
+                    }
+                }
+                if (!all(isequal(bad, (pa_vt)(0.0f)))) {
+                    for (int j = 0; j < nk; ++j) { /* from the chunk's start again, exactly */
+                        int vbad = 0;
+                        #pragma unroll
+                        for (int i = 0; i < PA_CG; ++i) {
+                            if (c0 + i < NAV) {
+                                const pa_vt x = PA_VLOAD(vc + j * DV + (c0 + i) * VEC);
+                                vbad |= !all(isequal(x - x, (pa_vt)(0.0f)));
+                            }
+                        }
+                        if (vbad)
+                            #pragma unroll
+                            for (int r = 0; r < RB; ++r)
+                                poison[r] |= PA_KEEP(qpos[r], pg * BS + t0 + j);
+                    }
+                    #pragma unroll
+                    for (int r = 0; r < RB; ++r)
+                        #pragma unroll
+                        for (int i = 0; i < PA_CG; ++i)
+                            if (c0 + i < NAV) a[r][i] = acc[r][c0 + i];
+                    for (int j = 0; j < nk; ++j) {
+                        #pragma unroll
+                        for (int i = 0; i < PA_CG; ++i) {
+                            if (c0 + i < NAV) {
+                                const pa_vt x = PA_VLOAD(vc + j * DV + (c0 + i) * VEC);
+                                const pa_vt xz = select((pa_vt)(0.0f), x,
+                                                        isequal(x - x, (pa_vt)(0.0f)));
+                                #pragma unroll
+                                for (int r = 0; r < RB; ++r)
+                                    a[r][i] = fma((pa_vt)(w[r * VEC + j]), xz, a[r][i]);
+                            }
+                        }
+                    }
                 }
                 #pragma unroll
-                for (int c = 0; c < NAV; ++c) acc[r][c] = a[c];
+                for (int r = 0; r < RB; ++r)
+                    #pragma unroll
+                    for (int i = 0; i < PA_CG; ++i)
+                        if (c0 + i < NAV) acc[r][c0 + i] = a[r][i];
             }
         }
     }

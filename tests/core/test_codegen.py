@@ -38,10 +38,11 @@ def test_hip_differs_from_cuda_only_in_its_overrides() -> None:
 
 def test_hip_preamble_is_unchanged_by_inheriting() -> None:
     """Pinned from the rendering of the table (re-pinned when ids, sizes and the barrier became
-    builtins): the source hipcc compiles is byte for byte the same."""
+    builtins, and when PK_PREFETCH joined): the source hipcc compiles is byte for byte the
+    same."""
     text = _preamble("hip")
     assert hashlib.sha256(text.encode()).hexdigest() == (
-        "ca70a77efbf1a3e3053360eaa41ed6c64e3b0b22102a398e22fbf942d17e6425")
+        "040def9d1ad28ed931895998fa82eeeb18ddcf60db9715f861698437d31c934a")
     # and the rendered lines differ from cuda's exactly where the overridden fields are used
     diff = {ln for ln in set(text.splitlines()) ^ set(_preamble("cuda").splitlines())
             if not ln.startswith(_HIP_BUILTIN_LINES)}
@@ -54,3 +55,22 @@ def test_hip_preamble_is_unchanged_by_inheriting() -> None:
         "#define PK_LAUNCH_BOUNDS(n, m) __launch_bounds__(n)",
         "#define PK_LAUNCH_BOUNDS(n, m) __launch_bounds__(n, m)",
     }
+
+
+def test_prefetch_is_a_hint_only_where_the_compiler_has_it() -> None:
+    """PK_PREFETCH(p): clang's builtin in OpenCL, guarded so another compiler (or a build with
+    -DPK_NO_PREFETCH: the simulator, which cannot run llvm.prefetch) gets an empty statement;
+    CUDA and HIP get the empty statement."""
+    from portakern.backend.oclgrind import OclgrindBackend
+    from portakern.backend.opencl import OpenCLBackend
+
+    opencl = _preamble("opencl").splitlines()
+    guard = opencl.index("#if defined(__has_builtin) && !defined(PK_NO_PREFETCH)")
+    assert opencl[guard + 1:guard + 7] == [
+        "#if __has_builtin(__builtin_prefetch)", "#define PK_PREFETCH(p) __builtin_prefetch((p))",
+        "#endif", "#endif", "#ifndef PK_PREFETCH", "#define PK_PREFETCH(p) ((void)0)"]
+    for dialect in ("cuda", "hip"):
+        text = _preamble(dialect)
+        assert "#define PK_PREFETCH(p) ((void)0)" in text and "prefetch(" not in text
+    assert "-DPK_NO_PREFETCH" in OclgrindBackend.device_build_options
+    assert "-DPK_NO_PREFETCH" not in OpenCLBackend.device_build_options

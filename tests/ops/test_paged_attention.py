@@ -292,10 +292,20 @@ MUTANTS = {
         "    for (int s = 0; s < nsplit; ++s) {\n        const PK_ACC_T w",
         "    for (int s = 0; s < nsplit - 1; ++s) {\n        const PK_ACC_T w", {"SPLIT": 4}),
     "a query does not attend its own position (off by one)": (
-        "#define PA_KEEP(qp, kp) ((kp) <= (qp)", "#define PA_KEEP(qp, kp) ((kp) < (qp)",
+        "#define PA_AT_OR_BEFORE(kp, qp) ((kp) <= (qp))",
+        "#define PA_AT_OR_BEFORE(kp, qp) ((kp) < (qp))",
         {"SPLIT": 1}),
     "query positions aligned top-left": (
         "const int q0pos = L - Sq;", "const int q0pos = 0;", {"SPLIT": 1}),
+    # the CPU schedule's register-blocked chunk (VEC 16: the default there)
+    "the accumulators miss the rescale when the running max rises": (
+        "acc[r][c] *= (pa_vt)(corr);", "acc[r][c] *= (pa_vt)(1.0f);", {"SPLIT": 1, "VEC": 16}),
+    "the score tree pairs partial sums of two keys": (
+        "PA_SH(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18",
+        "PA_SH(a, b, 2, 0, 4, 6, 8, 10, 12, 14, 16, 18", {"SPLIT": 1, "VEC": 16}),
+    "a chunk longer than the page keeps lanes past the page's last key": (
+        "const pa_it live = lanes < (pa_it)(nk);", "const pa_it live = lanes < (pa_it)(VEC);",
+        {"SPLIT": 1, "VEC": 16}),
 }
 
 
@@ -309,8 +319,8 @@ def test_mutant_is_caught(name: str) -> None:
     _ALIVE.append(mutant)
     target = KERNEL_TARGETS[0]
     be = selection.get(target)
-    a = paged(np.random.default_rng(2), B=1, Hq=4, Hkv=1, Sq=2, D=32, BS=16, MB=40,
-              lens=[600])
+    a = paged(np.random.default_rng(2), B=1, Hq=4, Hkv=1, Sq=2, D=32, BS=8, MB=80,
+              lens=[600])  # pages of 8: shorter than the CPU schedule's 16-key chunks
     config = {**SPEC.schedules[be.device_class], **cfg}
     got = pk.call(mutant, **a, backend=be, config=config)
     assert not compare_case(SPEC, Case(a, {}, "mutant"), got, be).ok, f"{name!r} survived"
