@@ -12,7 +12,7 @@ import portakern as pk
 from portakern.core.sampling import Case, Chooser
 from portakern.ops import get_op
 from portakern.runtime import selection
-from portakern.runtime.verify import Verdict, compare_arrays, own_kernel
+from portakern.runtime.verify import Verdict, compare_arrays, native_matrix_unit, own_kernel
 from portakern.tools.cases import CASES
 
 
@@ -48,7 +48,8 @@ def compare_case(spec: Any, case: Case, got: Any, target: Any = None) -> Verdict
     (``statistical_ordered``), any other's by the order-free model."""
     arrays, params = spec.bind((), dict(case.arrays) | case.params)
     be = selection.get(target) if isinstance(target, str) else target
-    return compare_arrays(spec, arrays, params, got, ordered=own_kernel(be))
+    return compare_arrays(spec, arrays, params, got, ordered=own_kernel(be),
+                          matrix_unit=native_matrix_unit(be))
 
 
 def check_case(op: str, target: str, case: Case) -> None:

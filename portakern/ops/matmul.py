@@ -236,6 +236,11 @@ def _mma_gamma(K: int, u: float) -> float:
 # different output elements are independent (one group each).
 STAT_CHUNK = 1 << 20  # float64 products materialised at once (8 MiB)
 KB1, KB2 = 512, 16  # matmul.c's K blocking (its #defines; a test keeps the two equal)
+MMA_K = 16  # k depth of one matrix-unit step (the fragment API's 16x16x16 tile)
+# A step's error bound in float32 ulps of its largest magnitude: each of the MMA_K products
+# and the accumulator loses less than one ulp of the largest to the alignment, the
+# normalisation one more (statistical_ordered's `truncation`)
+MMA_STEP_ULPS = MMA_K + 2
 BINADE_MARGIN = 1.0 + 2.0**-10  # h(s) from |s| widened by this (see statistical_ordered)
 
 
@@ -284,9 +289,34 @@ def _half_ulp2(s: np.ndarray, u: float, valid: np.ndarray | bool = True) -> np.n
     return np.where(valid & (s != 0), h2, 0.0)
 
 
-def statistical_ordered(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
+def _truncation_slack(prod: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Per output, the sum over the fragment schedule's matrix-unit steps of MMA_STEP_ULPS
+    ulps (float32) of the step's largest magnitude: its accumulator before or after, or one of
+    its MMA_K exact products. prod: (rows, N, nb * KB1) products; s: (rows, N, nb, KB1) the
+    blocks' running sums (the accumulator after each term)."""
+    rows, n, nb, kb1 = s.shape
+    steps = kb1 // MMA_K
+    after = np.abs(s[..., MMA_K - 1::MMA_K])  # (rows, N, nb, steps)
+    before = np.concatenate([np.zeros(after.shape[:-1] + (1,)), after[..., :-1]], axis=-1)
+    pmax = np.abs(prod.reshape(rows, n, nb, steps, MMA_K)).max(axis=-1)
+    big = np.maximum(np.maximum(before, after), pmax)
+    return MMA_STEP_ULPS * 2.0**-23 * big.sum(axis=(2, 3))
+
+
+def statistical_ordered(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray, *,
+                        truncation: bool = False) -> Any:
     """The model of matmul.c's own summation tree (the comment above): sigma^2 is the sum of
-    h(s)^2 over the tree's actual node values, not the worst case over all orders."""
+    h(s)^2 over the tree's actual node values, not the worst case over all orders.
+
+    ``truncation``: the result may come from a device's matrix units (verify passes it for a
+    backend with a native fragment lowering: CUDA sm_80+, HIP CDNA/RDNA3, Intel's extension).
+    Their adds are not IEEE: each instruction aligns its MMA_K products and the accumulator
+    to the largest and truncates (Fasi, Higham, Mikaitis, Pranesh, PeerJ CS 2021), errors of
+    one sign that a variance cannot describe. The model then adds a deterministic slack of
+    MMA_STEP_ULPS ulps of each step's largest magnitude, summed over the steps; the block,
+    second-level and total sums stay outside the instruction (round to nearest, as modelled).
+    The emulation (every CPU device) rounds to nearest like SIMT code and is judged without
+    it."""
     from ..core.statmodel import StatModel
 
     if p.info.compute == np.float64:  # the oracle's own error: order unknown
@@ -303,6 +333,7 @@ def statistical_ordered(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -
     in_group = (np.arange(ng * KB2) < nb).reshape(ng, KB2)
     in_group[:, 0] = False
     var = np.empty((a3.shape[0], M, N))
+    slack = np.zeros((a3.shape[0], M, N))
     rows = max(1, STAT_CHUNK // max(1, kpad * N))
     with np.errstate(all="ignore"):
         for z in range(a3.shape[0]):
@@ -313,6 +344,8 @@ def statistical_ordered(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -
                 v = _half_ulp2(prod, u).sum(axis=2)  # the products (unless fused)
                 s = np.cumsum(prod.reshape(prod.shape[:2] + (nb, KB1)), axis=3)
                 v += _half_ulp2(s, u, in_block).sum(axis=(2, 3))  # in each block
+                if truncation:
+                    slack[z, i0:i0 + rows] = _truncation_slack(prod, s)
                 blocks = np.zeros(s.shape[:2] + (ng * KB2,))
                 blocks[..., :nb] = s[..., -1]  # block sums
                 g = np.cumsum(blocks.reshape(blocks.shape[:2] + (ng, KB2)), axis=3)
@@ -323,7 +356,7 @@ def statistical_ordered(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -
         sigma2 = var.reshape(ref.shape)
         if p.info.storage != p.info.compute:  # the store rounds to fp16/bf16
             sigma2 = sigma2 + (p.info.unit_roundoff * ref) ** 2
-    return StatModel(np.sqrt(sigma2), _floor(p))
+    return StatModel(np.sqrt(sigma2), _floor(p) + slack.reshape(ref.shape))
 
 
 MMA_WAVES = (8, 16, 32, 64)  # every wave a lowering has (core/codegen.py FRAGMENTS)

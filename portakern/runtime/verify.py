@@ -35,6 +35,9 @@ built from the node values of the op's own C kernel's summation tree and judges 
 caller marks as that kernel's: the suite (tests/_oracle.py) and `portakern check` pass
 ``ordered=own_kernel(backend)``, True for a C-kernel backend (OpenCL, CUDA, the simulator).
 A correct result of another order can fail the ordered model, so never mark a foreign one.
+On a device with matrix units (``matrix_unit=native_matrix_unit(backend)``) the ordered
+model is called with ``truncation=True`` (matmul: a slack per truncating instruction; a model
+without that keyword gives way to the order-free one).
 
 What each catches in matmul (float32, 96 outputs, tau 2.24, K = 4096 and 16384, 30 seeds;
 tables and the other ops: docs/guarantees.md, "Correctness checks"):
@@ -59,6 +62,8 @@ ops) gets the worst-case check only (``stat_ratio`` None).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -129,15 +134,33 @@ def tau(groups: int, alpha: float = ALPHA) -> float:
     return hi
 
 
-def statistical_model(spec: KernelSpec, ordered: bool = False
+def statistical_model(spec: KernelSpec, ordered: bool = False, matrix_unit: bool = False
                       ) -> Callable[..., StatModel] | None:
     """The op's statistical error model: ``spec.statistical`` (order-free), or with
     ``ordered`` (the result came from the spec's own C kernel) ``spec.statistical_ordered``
     where the spec has one. The built-in ops' and a user op's alike; None for an op without
-    one (``spec.replace(semantics=...)`` drops both, ``replace(source=...)`` the ordered)."""
+    one (``spec.replace(semantics=...)`` drops both, ``replace(source=...)`` the ordered).
+
+    ``matrix_unit`` (the kernel ran where matrix units may have computed it: a device with a
+    native fragment lowering, ``native_matrix_unit``): their truncating adds are outside
+    the ordered model's round-to-nearest, so it is called with ``truncation=True`` when it
+    takes that keyword (matmul's adds a slack per matrix-unit step); one that does not take
+    it gives way to the order-free model."""
     if ordered and spec.statistical_ordered is not None:
-        return spec.statistical_ordered
+        if not matrix_unit:
+            return spec.statistical_ordered
+        model: Callable[..., StatModel] = spec.statistical_ordered
+        if "truncation" in inspect.signature(model).parameters:
+            return functools.partial(model, truncation=True)
     return spec.statistical
+
+
+def native_matrix_unit(backend: Any) -> bool:
+    """Whether ``backend``'s device has a native fragment lowering (CUDA sm_80+, HIP
+    CDNA/RDNA3, OpenCL with Intel's matrix extension), so a C kernel's fp16/bf16 products
+    may have run on matrix units; the CPU devices run the emulation, which rounds to
+    nearest. Pass it as ``compare_arrays(..., matrix_unit=)``."""
+    return getattr(backend, "matrix_unit", None) is not None
 
 
 def own_kernel(backend: Any) -> bool:
@@ -155,7 +178,8 @@ def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def compare_arrays(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[str, Any],
-                   got: Any, prob: Problem | None = None, *, ordered: bool = False) -> Verdict:
+                   got: Any, prob: Problem | None = None, *, ordered: bool = False,
+                   matrix_unit: bool = False) -> Verdict:
     """Both checks of ``got`` against the float64 oracle on host (numpy) operands. Several
     outputs (``prob.outputs``): ``got`` is a tuple, each entry checked (``_compare_outputs``).
 
@@ -164,7 +188,8 @@ def compare_arrays(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[
     model of the kernel's summation order, sharper); otherwise ``spec.statistical``, which
     admits every order. Say it only of results of ``spec.source``: another implementation's
     correct result may fail the ordered model (numpy/OpenBLAS' fp32 matmul does, at K =
-    4096 on all-positive data)."""
+    4096 on all-positive data). ``matrix_unit``: the kernel ran on a device whose matrix
+    units may have computed it (``native_matrix_unit(backend)``; ``statistical_model``)."""
     if prob is None:
         prob = spec.problem(arrays, dict(params))
     if prob.outputs is not None:
@@ -210,11 +235,11 @@ def compare_arrays(spec: KernelSpec, arrays: Mapping[str, Any], params: Mapping[
                  f"bound {float(bound[idx])!r}")
         checks = [Check("worst-case", worst <= 1.0, worst, idx, where)]
         stat_ratio = None
-        model = statistical_model(spec, ordered)
+        model = statistical_model(spec, ordered, matrix_unit)
         if model is not None:
             st = model(prob, inputs, ref)
             stat_ratio, sidx, sdetail = _statistic(st, prob, err, ref, got64, ~unspecified)
-            if model is spec.statistical_ordered:
+            if ordered and model is not spec.statistical:
                 sdetail = f"kernel-order model: {sdetail}"
             checks.append(Check("statistical", stat_ratio <= 1.0, stat_ratio, sidx, sdetail))
     ok = all(c.ok for c in checks)

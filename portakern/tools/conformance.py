@@ -80,7 +80,7 @@ def run_check(target: str, op: str, dtype: str, examples: int | None, seed: int
         ch = SimulatorChooser(ch)
     if examples is None:
         examples = SIMULATOR_EXAMPLES if simulator else DEFAULT_EXAMPLES
-    from ..runtime.verify import compare_arrays, own_kernel
+    from ..runtime.verify import compare_arrays, native_matrix_unit, own_kernel
 
     worst, worst_case, t0 = 0.0, "", time.perf_counter()
     stat: float | None = None
@@ -93,7 +93,8 @@ def run_check(target: str, op: str, dtype: str, examples: int | None, seed: int
             return {"status": "FAIL", "why": f"{type(exc).__name__}: {exc}"[:2000],
                     "case": case.describe()}
         arrays, params = spec.bind((), dict(case.arrays) | case.params)
-        v = compare_arrays(spec, arrays, params, got, ordered=own_kernel(be))
+        v = compare_arrays(spec, arrays, params, got, ordered=own_kernel(be),
+                           matrix_unit=native_matrix_unit(be))
         if v.worst_ratio >= worst:
             worst, worst_case = v.worst_ratio, f"{case.describe()} {v.where}"
         if v.stat_ratio is not None and (stat is None or v.stat_ratio >= stat):

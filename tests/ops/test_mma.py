@@ -19,7 +19,7 @@ from portakern.core.sampling import Case
 from portakern.ops import get_op
 from portakern.runtime import selection
 from portakern.runtime.plan import plan_for, plan_key
-from portakern.runtime.verify import compare_arrays, own_kernel
+from portakern.runtime.verify import compare_arrays, native_matrix_unit, own_kernel
 from portakern.tools.cases import compare
 
 LAYOUTS = codegen.MMA_LAYOUTS
@@ -57,7 +57,8 @@ def _check(spec: pk.KernelSpec, target: str, a: np.ndarray, b: np.ndarray,
            config: dict[str, int] | None = None) -> pk.Verdict:
     got = pk.call(spec, a, b, backend=target, config=config or MMA)
     return compare_arrays(get_op("matmul"), {"a": a, "b": b}, {}, got,
-                          ordered=own_kernel(selection.get(target)))
+                          ordered=own_kernel(selection.get(target)),
+                          matrix_unit=native_matrix_unit(selection.get(target)))
 
 
 @pocl
