@@ -76,11 +76,15 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
         if (!all_inf) {
 #if VEC > 1 && PK_HAS_VECTOR
             if (nv > 0) {
+                /* the next row's lines, fetched while this row computes in cache (a
+                 * contiguous next row: it is usually this item's next group) */
+                const int pf = row + 1 < PK_NUM_GROUPS(0);
                 svt sv = (svt)(0);
                 for (int b0 = lid; b0 < nv; b0 += WG * SBLK) {
                     const int bend = min(b0 + WG * SBLK, nv);
                     svt sp = (svt)(0);
                     for (int bi = b0; bi < bend; bi += WG) {
+                        if (pf) PK_PREFETCH(xr + n + bi * VEC);
                         const svt e = PK_VEXP(PK_CAT(vload, VEC)(bi, xr) - (svt)(rmax));
                         PK_CAT(vstore, VEC)(e, bi, yr);
                         sp += e;
