@@ -50,7 +50,11 @@ def test_default_half_attention_uses_matrix_units_without_spills(backend: str,
     """attention's default fp16/bf16 schedule on a device with matrix units is the fragment
     schedule (attention_mma.c): HMMA on sm_80/sm_90, v_mfma on gfx90a, v_wmma on gfx1100,
     no spills, no stack. gfx1100 needs a ROCm whose device library (ocml, for exp) has that
-    target; an older one skips, naming it (matmul, without exp, compiles there anyway)."""
+    target; an older one skips, naming it (matmul, without exp, compiles there anyway).
+    Debian's ROCm 5.2 (LLVM 15) is such: its libraries lack only oclc_isa_version_1100.bc, a
+    one-constant file, but a stub made for it (tried) does not help: LLVM 15's gfx11 backend
+    then emits v_mad_u64_u32 with its destination overlapping a source, which its own
+    assembler rejects, in attention and in matmul alike."""
     if backend == "cuda":
         require_tool(ptxas.find_ptxas(), "ptxas is not installed", ptxas.PTXAS_FIX)
         require_tool(ptxas.find_cuobjdump() and ptxas.find_nvdisasm(),
