@@ -12,6 +12,7 @@ import json
 import math
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -1849,3 +1850,39 @@ def test_decode_inputs_are_valid_tables_and_the_peer_agrees() -> None:
     np.testing.assert_allclose(fn().astype(np.float32), want.astype(np.float32), rtol=1e-2,
                                atol=1e-3)
     assert "spec.semantics(numpy" in what
+
+
+def test_rounds_wait_for_another_implementations_spinning_threads() -> None:
+    """A library's helper threads spin after its call (OpenBLAS ~0.1 s): the next sample in
+    the rounds must not share the cores with them. settle() waits until no other thread of
+    the benchmark's processes runs (a spinning thread here: 0.15 s), and returns at once
+    when none does; the rounds record what they waited."""
+    import threading
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("no /proc: settle() cannot see threads here and returns at once")
+    assert timing.settle(0.0) == 0.0
+    timing.settle(0.5)  # whatever ran before this test settles first
+    assert timing.settle(0.5) < 0.05
+    stop = time.perf_counter() + 0.15
+
+    def spin() -> None:
+        while time.perf_counter() < stop:
+            pass
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        waited = timing.settle(1.0)
+    finally:
+        t.join()
+    assert 0.08 < waited < 0.6, waited
+    m = timing.Measurement(what="x")
+    p = timing.Prepared(m, lambda: None, lambda: None, timing.TimingConfig(), time.perf_counter,
+                        time.perf_counter(), 1e-6, False, None)
+    q = timing.Prepared(timing.Measurement(what="y"), lambda: None, lambda: None,
+                        timing.TimingConfig(), time.perf_counter, time.perf_counter(), 1e-6,
+                        False, None)
+    timing.run_rounds({"a": p, "b": q}, timing.TimingConfig(min_reps=2, min_time=0.0),
+                      begin=time.perf_counter())
+    assert "settled_s" in m.info

@@ -30,6 +30,16 @@ measured to leave both sides up to ~2.5x slower than back to back (rmsnorm 64x40
 machine: ours 176-179 us and torch 184-234 us interleaved call by call, against 72-135 and
 104-165 back to back), and only ~10 ms of calls of its own brought Intel's runtime back to
 its back-to-back time.
+
+**Settling** (``settle``): before each sample in interleaved rounds, the rounds wait until no
+other thread of the benchmark's processes (this one and its children, the peers' worker) is
+running, at most ``settle_max_s``. A library's helper threads keep spinning after its call
+returns, on a core the next implementation needs: OpenBLAS's, after the numpy peer's sample,
+spin ~0.1 s in the worker process that also runs torch, and torch's SDPA sampled then ran
+1.6x slower than alone (attention S=4096 causal: torch 108-110 ms in rounds, 62-66 ms alone;
+B1 H8 S512: 6.3-7.9 ms against 2.2 ms), which overstated every ratio to torch. Rewarming
+cannot help there (torch's own calls compete with the spinning thread as much). The wait is
+read from /proc (each thread's state: R running) and costs one scan when nothing spins.
 """
 
 from __future__ import annotations
@@ -61,6 +71,9 @@ class TimingConfig:
     # not notice)
     rewarm_below_s: float = 0.05
     rewarm_s: float = 0.01
+    # before each sample in rounds, wait up to this long for every other thread of the
+    # benchmark's processes to stop running (settle; 0: never wait)
+    settle_max_s: float = 0.5
 
     def __post_init__(self) -> None:
         problems = []
@@ -78,6 +91,8 @@ class TimingConfig:
             problems.append(f"rewarm_below_s={self.rewarm_below_s!r} (expected >= 0)")
         if not self.rewarm_s >= 0:
             problems.append(f"rewarm_s={self.rewarm_s!r} (expected >= 0)")
+        if not self.settle_max_s >= 0:
+            problems.append(f"settle_max_s={self.settle_max_s!r} (expected >= 0)")
         if problems:
             raise ValueError("invalid TimingConfig: " + ", ".join(problems)
                              + ". Fix the --min-time/--budget options or the suite table.")
@@ -272,6 +287,64 @@ def prepare(fn: Callable[[], object], sync: Callable[[], object], cfg: TimingCon
     return Prepared(m, fn, sync, cfg, clock, begin, typical, rewarm, scope)
 
 
+def _running_threads(pid: int, skip: int | None) -> int:
+    """How many threads of process ``pid`` are running now (state R in /proc), ``skip`` (a
+    thread id) left out; -1 where /proc cannot tell."""
+    import os
+
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return -1
+    n = 0
+    for tid in tids:
+        if skip is not None and int(tid) == skip:
+            continue
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        # the state follows the command name, which is in parentheses and may hold spaces
+        state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+        n += state == b"R"
+    return n
+
+
+def _tree() -> list[int]:
+    """This process and its children (the peers' worker processes)."""
+    import os
+
+    pids = [os.getpid()]
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return pids
+
+
+def settle(max_s: float, clock: Clock = time.perf_counter, poll_s: float = 0.0005) -> float:
+    """Wait until no thread of this process tree but the caller is running, at most
+    ``max_s``; return the seconds waited (module docstring: why). Where /proc is missing it
+    returns at once."""
+    import threading
+
+    if max_s <= 0:
+        return 0.0
+    me = threading.get_native_id()
+    start = clock()
+    pids = _tree()
+    while True:
+        counts = [_running_threads(pid, me) for pid in pids]
+        if all(c <= 0 for c in counts):
+            return clock() - start
+        if clock() - start >= max_s:
+            return clock() - start
+        time.sleep(poll_s)
+
+
 def run_rounds(impls: Mapping[str, Sampler], cfg: TimingConfig, *, begin: float,
                budget_s: float | None = None, anchor: str | None = None,
                clock: Clock = time.perf_counter) -> int:
@@ -307,6 +380,9 @@ def run_rounds(impls: Mapping[str, Sampler], cfg: TimingConfig, *, begin: float,
                 p = active.get(key)
                 if p is None:
                     continue
+                if len(keys) > 1:  # another implementation's threads may still spin
+                    waited = settle(cfg.settle_max_s)
+                    p.m.info["settled_s"] = p.m.info.get("settled_s", 0.0) + waited
                 try:
                     p.sample()
                 except KeyboardInterrupt:
