@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from . import timing
+
 SETTLE_S = 0.3  # after starting: the hog is spinning and the scheduler has placed it
 
 
@@ -62,6 +64,7 @@ class Hog:
             return
         self.proc = subprocess.Popen(hog_command(self.core), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        timing.SETTLE_IGNORED.add(self.proc.pid)  # the load is meant to stay: never waited for
         time.sleep(SETTLE_S)
         if self.proc.poll() is not None:
             raise RuntimeError(f"the CPU hog exited at once (code {self.proc.returncode}); "
@@ -69,7 +72,10 @@ class Hog:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
+            return
+        timing.SETTLE_IGNORED.discard(proc.pid)
+        if proc.poll() is not None:
             return
         proc.terminate()  # our own child, by its handle
         try:
