@@ -311,37 +311,31 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                     }
                 }
                 if (!all(isequal(bad, (pa_vt)(0.0f)))) {
-                    for (int j = 0; j < nk; ++j) { /* from the chunk's start again, exactly */
-                        int vbad = 0;
-                        #pragma unroll
-                        for (int i = 0; i < PA_CG; ++i) {
-                            if (c0 + i < NAV) {
-                                const pa_vt x = PA_VLOAD(vc + j * DV + (c0 + i) * VEC);
-                                vbad |= !all(isequal(x - x, (pa_vt)(0.0f)));
-                            }
-                        }
-                        if (vbad)
-                            #pragma unroll
-                            for (int r = 0; r < RB; ++r)
-                                poison[r] |= PA_KEEP(qpos[r], pg * BS + t0 + j);
-                    }
+                    /* from the chunk's start again, exactly: bad entries zeroed, the rows
+                     * that keep a bad row's key poisoned */
                     #pragma unroll
                     for (int r = 0; r < RB; ++r)
                         #pragma unroll
                         for (int i = 0; i < PA_CG; ++i)
                             if (c0 + i < NAV) a[r][i] = acc[r][c0 + i];
                     for (int j = 0; j < nk; ++j) {
+                        int vbad = 0;
                         #pragma unroll
                         for (int i = 0; i < PA_CG; ++i) {
                             if (c0 + i < NAV) {
                                 const pa_vt x = PA_VLOAD(vc + j * DV + (c0 + i) * VEC);
-                                const pa_vt xz = select((pa_vt)(0.0f), x,
-                                                        isequal(x - x, (pa_vt)(0.0f)));
+                                const pa_it ok = isequal(x - x, (pa_vt)(0.0f));
+                                vbad |= !all(ok);
+                                const pa_vt xz = select((pa_vt)(0.0f), x, ok);
                                 #pragma unroll
                                 for (int r = 0; r < RB; ++r)
                                     a[r][i] = fma((pa_vt)(w[r * VEC + j]), xz, a[r][i]);
                             }
                         }
+                        if (vbad)
+                            #pragma unroll
+                            for (int r = 0; r < RB; ++r)
+                                poison[r] |= PA_KEEP(qpos[r], pg * BS + t0 + j);
                     }
                 }
                 #pragma unroll
