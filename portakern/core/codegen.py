@@ -65,6 +65,13 @@ class Dialect:
     # it computes on this one. Empty: no hint. A build defining PK_NO_PREFETCH gets none
     # either (the simulator: Oclgrind 21.10 cannot run llvm.prefetch).
     prefetch: str = ""
+    # PK_STREAM_STORE(v, p): store v at p, which must be aligned to sizeof(v), bypassing the
+    # caches (format with {v}, {p}). A plain store of a line no cache holds first reads it
+    # (read for ownership): a CPU kernel writing a large output once (softmax's streamed
+    # path) moves a third less memory with clang's __builtin_nontemporal_store (PoCL, Intel:
+    # vmovntps). x86's locked operations, which every runtime's completion uses, order these
+    # stores. Empty, or a build defining PK_NO_STREAM_STORE: a plain store.
+    stream_store: str = ""
 
 
 _CUDA_IDS = "((({d}) == 0) ? {v}.x : (({d}) == 1) ? {v}.y : {v}.z)"
@@ -90,6 +97,7 @@ DIALECTS: dict[str, Dialect] = {
         vectors=True,
         local_ptr="__local",
         prefetch="__builtin_prefetch({p})",
+        stream_store="__builtin_nontemporal_store({v}, {p})",
         matrix_units=((r"\bcl_intel_subgroup_matrix_multiply_accumulate\b", "intel"),),
     ),
     "cuda": Dialect(
@@ -411,19 +419,28 @@ PK_DEVICE_FN unsigned short pk_float_to_bf16(float f) {
 """
 
 
-def _prefetch_lines(d: Dialect) -> list[str]:
-    """PK_PREFETCH(p): the dialect's hint where its compiler has it, else nothing."""
-    if not d.prefetch:
-        return ["#define PK_PREFETCH(p) ((void)0)"]
-    name = d.prefetch.split("(")[0]
-    return ["#if defined(__has_builtin) && !defined(PK_NO_PREFETCH)",
+def _builtin_lines(macro: str, params: str, template: str, fallback: str) -> list[str]:
+    """#define macro(params) as the dialect's compiler builtin ``template`` where that
+    compiler has it and the build does not define PK_NO_<macro name>, else ``fallback``."""
+    if not template:
+        return [f"#define {macro}({params}) {fallback}"]
+    name = template.split("(")[0]
+    args = {a.strip(): f"({a.strip()})" for a in params.split(",")}
+    return [f"#if defined(__has_builtin) && !defined(PK_NO_{macro[3:]})",
             f"#if __has_builtin({name})",
-            f"#define PK_PREFETCH(p) {d.prefetch.format(p='(p)')}",
+            f"#define {macro}({params}) {template.format(**args)}",
             "#endif",
             "#endif",
-            "#ifndef PK_PREFETCH",
-            "#define PK_PREFETCH(p) ((void)0)",
+            f"#ifndef {macro}",
+            f"#define {macro}({params}) {fallback}",
             "#endif"]
+
+
+def _prefetch_lines(d: Dialect) -> list[str]:
+    """PK_PREFETCH(p): the dialect's hint where its compiler has it, else nothing;
+    PK_STREAM_STORE(v, p): its cache-bypassing store, else a plain store."""
+    return [*_builtin_lines("PK_PREFETCH", "p", d.prefetch, "((void)0)"),
+            *_builtin_lines("PK_STREAM_STORE", "v, p", d.stream_store, "(*(p) = (v))")]
 
 
 def _macro_block(d: Dialect) -> str:

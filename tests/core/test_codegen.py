@@ -38,11 +38,11 @@ def test_hip_differs_from_cuda_only_in_its_overrides() -> None:
 
 def test_hip_preamble_is_unchanged_by_inheriting() -> None:
     """Pinned from the rendering of the table (re-pinned when ids, sizes and the barrier became
-    builtins, and when PK_PREFETCH joined): the source hipcc compiles is byte for byte the
-    same."""
+    builtins, and when PK_PREFETCH and PK_STREAM_STORE joined): the source hipcc compiles is
+    byte for byte the same."""
     text = _preamble("hip")
     assert hashlib.sha256(text.encode()).hexdigest() == (
-        "040def9d1ad28ed931895998fa82eeeb18ddcf60db9715f861698437d31c934a")
+        "b5041f58415ffea760111a7fa464c522b25416c4ce5ad8bdbafc55295d727cf3")
     # and the rendered lines differ from cuda's exactly where the overridden fields are used
     diff = {ln for ln in set(text.splitlines()) ^ set(_preamble("cuda").splitlines())
             if not ln.startswith(_HIP_BUILTIN_LINES)}
@@ -74,3 +74,20 @@ def test_prefetch_is_a_hint_only_where_the_compiler_has_it() -> None:
         assert "#define PK_PREFETCH(p) ((void)0)" in text and "prefetch(" not in text
     assert "-DPK_NO_PREFETCH" in OclgrindBackend.device_build_options
     assert "-DPK_NO_PREFETCH" not in OpenCLBackend.device_build_options
+
+
+def test_stream_store_bypasses_caches_only_where_the_compiler_can() -> None:
+    """PK_STREAM_STORE(v, p): clang's non-temporal store in OpenCL, guarded like the prefetch
+    (a build defining PK_NO_STREAM_STORE gets the plain store); CUDA and HIP a plain store.
+    Either way the same value lands at p."""
+    opencl = _preamble("opencl").splitlines()
+    guard = opencl.index("#if defined(__has_builtin) && !defined(PK_NO_STREAM_STORE)")
+    assert opencl[guard + 1:guard + 7] == [
+        "#if __has_builtin(__builtin_nontemporal_store)",
+        "#define PK_STREAM_STORE(v, p) __builtin_nontemporal_store((v), (p))",
+        "#endif", "#endif", "#ifndef PK_STREAM_STORE",
+        "#define PK_STREAM_STORE(v, p) (*(p) = (v))"]
+    for dialect in ("cuda", "hip"):
+        text = _preamble(dialect)
+        assert "#define PK_STREAM_STORE(v, p) (*(p) = (v))" in text
+        assert "nontemporal" not in text

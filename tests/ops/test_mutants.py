@@ -114,6 +114,15 @@ MUTANTS = {
     "softmax exp-once: vector exp without the low part of ln2": (
         "softmax", "    r = fma(n, (pk_fv)(2.12194440e-4f), r);\n", "",
         {"VEC": 16, "WG": 1, "STORE_EXP": 1}, "float32"),
+    # the streamed output (STREAM=1: exp again in the scale pass, non-temporal stores)
+    "softmax streamed: the streamed store skips the scale": (
+        "softmax", "PK_STREAM_STORE(e * (svt)(scale),", "PK_STREAM_STORE(e,",
+        {"VEC": 16, "WG": 1, "STORE_EXP": 1, "STREAM": 1}, "float32"),
+    "softmax streamed: the second exp forgets the row max": (
+        "softmax",
+        "PK_VEXP(PK_CAT(vload, VEC)(bi, xr) - (svt)(rmax));\n                PK_STREAM_STORE",
+        "PK_VEXP(PK_CAT(vload, VEC)(bi, xr));\n                PK_STREAM_STORE",
+        {"VEC": 16, "WG": 1, "STORE_EXP": 1, "STREAM": 1}, "float32"),
     "attention: causal off by one": (
         "attention", "(!causal || kj <= qi)", "(!causal || kj < qi)", {}, "float32"),
     "attention: no rescale of the accumulator (scalar path)": (

@@ -100,6 +100,9 @@ ALTERNATIVE_CONFIGS = {
     "softmax": [
         {"STORE_EXP": 0},  # the one-read online path with vectors
         {"WG": 64, "VEC": 4, "UNROLL": 2},  # many items per row, exp-once
+        # exp twice, the output streamed out (the CPU schedule's choice for outputs of 32 MiB
+        # and more); rows not aligned to a vector (n % 16 != 0) keep it in cache
+        {"STORE_EXP": 1, "VEC": 16, "WG": 1, "STREAM": 1},
     ],
     "attention": [
         {"PACK_KV": 0, "BQ": 8, "BK": 16},  # vector path staging tiles in local memory
