@@ -297,7 +297,7 @@ def lookup(backend: Any, spec: KernelSpec, prob: Problem) -> dict[str, int] | No
     return None
 
 
-def _fitted(backend: Backend, spec: KernelSpec, prob: Problem, cfg: dict[str, int]
+def fitted(backend: Backend, spec: KernelSpec, prob: Problem, cfg: dict[str, int]
             ) -> dict[str, int]:
     """``cfg`` with the spec's automatic tunables resolved for this device (fit_device)."""
     if spec.fit_device is None:
@@ -322,19 +322,20 @@ def config_for(backend: Backend, spec: KernelSpec, prob: Problem,
     domains), else this device's tuned entry for the problem's bucket (``lookup``; never for
     a backend whose ``uses_tuned_configs`` is False, e.g. the simulator), else the spec's
     schedule for the device class. Tuned lookups are memoised per (backend, spec, tuning
-    generation, bucket) in one bounded cache."""
+    generation, bucket) in one bounded cache; the automatic tunables are fitted after it, per
+    problem, since a bucket spans sizes they tell apart (N = 512 and 1024 share one)."""
     if overrides:
-        return _fitted(backend, spec, prob, spec.config(backend.device_class, overrides, prob,
+        return fitted(backend, spec, prob, spec.config(backend.device_class, overrides, prob,
                                                         matrix=has_matrix_unit(backend)))
     key = (backend, spec.token) + cache_token(prob)
     cfg = _CONFIGS.get(key)
     if cfg is None:
         found = lookup(backend, spec, prob) if backend.uses_tuned_configs else None
-        cfg = _fitted(backend, spec, prob, found or spec.config(
-            backend.device_class, None, prob, matrix=has_matrix_unit(backend)))
+        cfg = found or spec.config(backend.device_class, None, prob,
+                                   matrix=has_matrix_unit(backend))
         with _LOCK:
             _CONFIGS[key] = cfg
-    return dict(cfg)
+    return fitted(backend, spec, prob, dict(cfg))
 
 
 def _current_hash(op: str) -> str | None:

@@ -93,6 +93,9 @@ def test_every_schedule_heavy_op(op: str, schedule: str, kernel_target: str,
 ALTERNATIVE_CONFIGS = {
     "matmul": [
         {"PACK_B": 0},  # the CPU micro-kernel reading B in place, with its scalar right edge
+        # B packed into panels: the CPU schedule's choice for a B over 1 MiB, which no drawn
+        # case reaches
+        {"PACK_B": 1},
         {"TM": 8, "TN": 2, "LY": 2},  # two rows of items per group, a narrower register block
         {"VEC": 1, "TM": 4, "TN": 4, "LX": 4, "LY": 4},  # the scalar direct path, packed B
         {"USE_LOCAL": 1, "LX": 8, "LY": 8, "TM": 2, "TN": 2, "TK": 8, "VEC": 1},  # local tiles

@@ -37,6 +37,17 @@ MATMUL = get_op("matmul")
 SOFTMAX = get_op("softmax")
 
 
+def _fit(be: Any, spec: Any, prob: Any, cfg: Any) -> dict[str, int]:
+    """What config_for returns for a stored or scheduled ``cfg``: its automatic tunables
+    (matmul's PACK_B = 2, ...) fitted to the problem and device."""
+    return configs.fitted(be, spec, prob, dict(cfg))
+
+
+def _default(be: Any, spec: Any, prob: Any) -> dict[str, int]:
+    """config_for's fallback: the device class's schedule, fitted."""
+    return _fit(be, spec, prob, spec.config(be.device_class, None, prob))
+
+
 def _opencl() -> Any:
     cls = registry.load("opencl")
     if not isinstance(cls, type) or not cls.probe().available:
@@ -122,7 +133,8 @@ def test_tuned_configuration_is_stored_used_and_correct(db: Path, be: Any) -> No
     # ops now use the tuned schedule, validated, for the tuned bucket and (nearest) others
     fresh = _opencl()("0")
     prob = _prob(MATMUL, M=48, N=40, K=33)
-    assert configs.config_for(fresh, MATMUL, prob, None) == res.best.config
+    assert configs.config_for(fresh, MATMUL, prob, None) == _fit(fresh, MATMUL, prob,
+                                                                 res.best.config)
     assert configs.lookup(fresh, MATMUL, _prob(MATMUL, M=7, N=300, K=9)) == res.best.config
     # ... and give oracle-correct results, as does the default, on random edge cases
     _check_cases(MATMUL, fresh, None, seed=5, n=5)
@@ -189,8 +201,7 @@ def test_stale_entry_is_ignored(db: Path, be: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", TuningWarning)  # stale is normal: ignored silently
         assert configs.lookup(be, changed, prob) is None
-        assert configs.config_for(be, changed, prob) == changed.config(be.device_class, None,
-                                                                      prob)
+        assert configs.config_for(be, changed, prob) == _default(be, changed, prob)
     # an entry recorded for another kernel source is listed as stale
     other = _entry(be, MATMUL, prob, cfg)
     other["source_hash"] = "0123456789abcdef"
@@ -221,7 +232,7 @@ def test_malicious_entry_with_a_valid_hash_is_rejected(db: Path, be: Any, value:
     configs.invalidate()
     with pytest.warns(TuningWarning, match="rejects it"):
         cfg = configs.config_for(be, MATMUL, prob, None)
-    assert cfg == MATMUL.config(be.device_class, None, prob)
+    assert cfg == _default(be, MATMUL, prob)
     src = MATMUL.render(be.dialect, prob, cfg)
     assert "-DX" not in src and "1;}" not in src
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -249,7 +260,7 @@ def test_malformed_entries_warn_and_fall_back(db: Path, be: Any, damage: str) ->
     configs.store_for(configs.device_key(configs.fingerprint(be))).put(key, payload)
     configs.invalidate()
     with pytest.warns(TuningWarning, match="ignored entry"):
-        assert configs.config_for(be, MATMUL, prob) == MATMUL.config(be.device_class, None, prob)
+        assert configs.config_for(be, MATMUL, prob) == _default(be, MATMUL, prob)
     if damage in ("bad_key_name", "config_not_dict", "bucket_mismatch", "schema"):
         with pytest.raises(InvalidArgumentError, match="malformed"):
             autotune.save_entry(payload)  # and the tuner itself refuses to write such a record
@@ -263,10 +274,10 @@ def test_corrupted_database_file_warns_and_is_rebuilt(db: Path, be: Any) -> None
     path.write_bytes(path.read_bytes()[:-40])  # truncated mid-write by a crash, say
     configs.invalidate()
     with pytest.warns(cache.CacheWarning, match="discarded"):
-        assert configs.config_for(be, MATMUL, prob) == MATMUL.config(be.device_class, None, prob)
+        assert configs.config_for(be, MATMUL, prob) == _default(be, MATMUL, prob)
     assert not path.exists()
     assert autotune.save_entry(_entry(be, MATMUL, prob, cfg)) == path  # rebuilt by the next tune
-    assert configs.config_for(_opencl()("0"), MATMUL, prob, None) == cfg
+    assert configs.config_for(_opencl()("0"), MATMUL, prob, None) == _fit(be, MATMUL, prob, cfg)
 
 
 def test_unusable_cache_directory_still_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -305,8 +316,7 @@ def test_env_switch_and_exact_mode(db: Path, be: Any, monkeypatch: pytest.Monkey
     assert configs.lookup(be, MATMUL, far) is None
     monkeypatch.setenv("PORTAKERN_TUNING", "0")
     assert configs.lookup(be, MATMUL, prob) is None
-    assert configs.config_for(_opencl()("0"), MATMUL, prob) == MATMUL.config(be.device_class,
-                                                                            None, prob)
+    assert configs.config_for(_opencl()("0"), MATMUL, prob) == _default(be, MATMUL, prob)
 
 
 def test_entry_too_big_for_this_device_is_skipped(db: Path, be: Any) -> None:
@@ -323,7 +333,8 @@ def test_no_disk_access_after_the_first_lookup(db: Path, be: Any,
     prob = _prob(MATMUL)
     cfg = _non_default(be, MATMUL, prob)
     autotune.save_entry(_entry(be, MATMUL, prob, cfg))
-    assert configs.config_for(be, MATMUL, prob, None) == cfg  # reads the device's entries once
+    # reads the device's entries once
+    assert configs.config_for(be, MATMUL, prob, None) == _fit(be, MATMUL, prob, cfg)
 
     def no_disk(*a: object, **k: object) -> None:
         raise AssertionError("the hot path touched the disk")
@@ -332,7 +343,7 @@ def test_no_disk_access_after_the_first_lookup(db: Path, be: Any,
         monkeypatch.setattr(cache.Store, name, no_disk)
     a = np.ones((5, 7), np.float32)
     for _ in range(20):
-        assert configs.config_for(be, MATMUL, prob, None) == cfg
+        assert configs.config_for(be, MATMUL, prob, None) == _fit(be, MATMUL, prob, cfg)
         pk.matmul(a, a.T, backend=be)  # another bucket: answered from the in-memory index
     t0 = time.perf_counter()
     for _ in range(2000):

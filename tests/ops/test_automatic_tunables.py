@@ -1,9 +1,11 @@
-"""softmax's streamed output (STREAM): chosen by the output's size, identical in value.
+"""Tunables the CPU schedule resolves per problem: softmax's STREAM, matmul's PACK_B.
 
-Why: the CPU schedule writes an output of STREAM_MIN_BYTES or more once, with streaming
-stores, computing exp again instead of re-reading a stored copy. The choice must follow the
-size (a small output stays in cache for its consumer), a user's explicit choice must stand,
-and both paths must give the same bits: the sum is taken in the same order either way.
+Why: softmax writes an output of STREAM_MIN_BYTES or more once, with streaming stores,
+computing exp again instead of re-reading a stored copy; matmul reads a B of PACK_MIN_BYTES
+or less in place instead of packing it. Each choice must follow the size, a user's explicit
+choice must stand, a problem must get its own choice even where it shares a tuning bucket
+with another, and softmax's two paths must give the same bits (the sum is taken in the same
+order either way).
 """
 
 from __future__ import annotations
@@ -13,15 +15,49 @@ import pytest
 
 import portakern as pk
 from portakern.ops import get_op
+from portakern.ops import matmul as mm
 from portakern.ops import softmax as sm
 from portakern.runtime import configs, selection
 
 SPEC = get_op("softmax")
+MATMUL = get_op("matmul")
 
 
 def _problem(shape: tuple[int, ...], dtype: str = "float32"):  # noqa: ANN202
     x = np.zeros(shape, dtype)
     return SPEC.problem({"x": x}, dict(SPEC.params))
+
+
+def _mm_problem(m: int, k: int, n: int, dtype: str = "float32"):  # noqa: ANN202
+    return MATMUL.problem({"a": np.zeros((m, k), dtype), "b": np.zeros((k, n), dtype)},
+                          dict(MATMUL.params))
+
+
+def test_automatic_pack_follows_the_size_of_b() -> None:
+    cpu = dict(MATMUL.schedules["cpu"])
+    assert cpu["PACK_B"] == 2 and MATMUL.schedules["gpu"]["PACK_B"] == 0
+    side = int((mm.PACK_MIN_BYTES // 4) ** 0.5)  # 512: B of exactly PACK_MIN_BYTES
+    small = mm.fit_pack(_mm_problem(64, side, side), dict(cpu), 2)
+    assert small["PACK_B"] == 0 and small["LY"] == 2
+    big = mm.fit_pack(_mm_problem(64, side, side + 1), dict(cpu), 2)
+    assert big["PACK_B"] == 1 and big["LY"] == cpu["LY"]
+    for forced in (0, 1):
+        got = mm.fit_pack(_mm_problem(8, 8, 8), {**cpu, "PACK_B": forced}, 2)
+        assert got["PACK_B"] == forced and got["LY"] == cpu["LY"]
+    assert mm.packs_b(_mm_problem(8, 8, 8), cpu)  # unresolved (no device): the packed path
+
+
+def test_each_problem_in_a_bucket_gets_its_own_fit(kernel_target: str) -> None:
+    """N = 512 and N = 1024 share one tuning bucket; the memo of configs per bucket must not
+    hand the first one's fitted choice to the second (PACK_B, and likewise attention's
+    SPLIT)."""
+    be = selection.get(kernel_target)
+    a, b = _mm_problem(512, 512, 512), _mm_problem(1024, 1024, 1024)
+    assert configs.bucket(a) == configs.bucket(b)
+    first, second = configs.config_for(be, MATMUL, a), configs.config_for(be, MATMUL, b)
+    if be.device_class == "cpu":
+        assert (first["PACK_B"], second["PACK_B"]) == (0, 1)
+    assert configs.config_for(be, MATMUL, a) == first
 
 
 def test_automatic_stream_follows_the_output_size() -> None:
