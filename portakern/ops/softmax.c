@@ -17,6 +17,14 @@
  * relative, not ~1e-5 (one running sum over 62,500 terms per lane).
  */
 #define SBLK 64 /* terms (vectors on the vector paths) per block partial sum */
+#define SM_SCR_BYTES 16384 /* STREAM=1: the row of e kept in local memory, at most */
+#if STREAM == 1
+#define SM_KEEP(i, v) (scr[(i)] = (v))
+#define SM_KEPT(i) scr[(i)]
+#else
+#define SM_KEEP(i, v) ((void)0)
+#define SM_KEPT(i) ((PK_CAT(PK_ACC_T, VEC))(0))
+#endif
 PK_DEVICE_FN void pk_merge(PK_ACC_T* m, PK_ACC_T* s, PK_ACC_T m2, PK_ACC_T s2)
 {
     const PK_ACC_T m1 = *m;
@@ -37,6 +45,11 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
 
     PK_LOCAL PK_ACC_T lm[WG];
     PK_LOCAL PK_ACC_T ls[WG];
+#if STORE_EXP && PK_PLAIN_T && STREAM == 1 && VEC > 1 && PK_HAS_VECTOR
+    /* the streamed path's row of e (16 KiB: 4096 floats), kept in cache for the scale pass
+     * so that exp runs once; a longer row computes exp again there */
+    PK_LOCAL PK_CAT(PK_ACC_T, VEC) scr[SM_SCR_BYTES / (VEC * sizeof(PK_ACC_T))];
+#endif
 
 #if STORE_EXP && PK_PLAIN_T
     /* STORE_EXP=1 (CPU schedule, fp32/fp64 storage): exp once per element. Pass 1 finds the
@@ -55,8 +68,9 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
         /* a streaming store needs its vector's alignment; a row without it keeps STREAM 0 */
 #if STREAM == 1
         const int stream = ((size_t)yr % sizeof(svt)) == 0;
+        const int kept = stream && nv <= (int)(SM_SCR_BYTES / sizeof(svt));
 #else
-        int stream = 0;
+        int stream = 0, kept = 0;
 #endif
         if (nv > 0) {
             /* fmax drops NaN here; a NaN still turns the whole row NaN in pass 2, where
@@ -120,6 +134,9 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
                         if (keep) {
                             PK_CAT(vstore, VEC)(e0, bi, yr);
                             PK_CAT(vstore, VEC)(e1, bi + WG, yr);
+                        } else if (kept) {
+                            SM_KEEP(bi, e0);
+                            SM_KEEP(bi + WG, e1);
                         }
                         sp += e0;
                         sp1 += e1;
@@ -127,6 +144,7 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
                     for (; bi < bend; bi += WG) {
                         const svt e = PK_VEXP(PK_CAT(vload, VEC)(bi, xr) - (svt)(rmax));
                         if (keep) PK_CAT(vstore, VEC)(e, bi, yr);
+                        else if (kept) SM_KEEP(bi, e);
                         sp += e;
                     }
                     sv += sp + sp1;
@@ -158,7 +176,8 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
             for (int bi = lid; bi < nv; bi += WG) PK_CAT(vstore, VEC)((svt)(0), bi, yr);
         } else if (stream && nv > 0) {
             for (int bi = lid; bi < nv; bi += WG) {
-                const svt e = PK_VEXP(PK_CAT(vload, VEC)(bi, xr) - (svt)(rmax));
+                const svt e = kept ? SM_KEPT(bi)
+                                   : PK_VEXP(PK_CAT(vload, VEC)(bi, xr) - (svt)(rmax));
                 PK_STREAM_STORE(e * (svt)(scale), (PK_GLOBAL svt*)(yr + bi * VEC));
             }
         } else if (nv > 0) {

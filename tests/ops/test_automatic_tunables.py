@@ -80,11 +80,13 @@ def test_config_for_resolves_stream_on_a_cpu_device(kernel_target: str) -> None:
         assert big["STREAM"] == 1
 
 
-@pytest.mark.parametrize("shape", [(5, 64), (6, 4101), (3, 16), (2, 7, 48)])
+@pytest.mark.parametrize("shape", [(5, 64), (6, 4101), (3, 16), (2, 7, 48), (4, 4096),
+                                   (3, 5008)])
 def test_streamed_and_cached_outputs_are_identical(shape: tuple[int, ...],
                                                    kernel_target: str) -> None:
     """Aligned rows stream, unaligned ones (n % 16 != 0 after the first) keep the cached
-    path; a fully -inf row gives zeros and a +inf makes its row NaN on both."""
+    path; a streamed row of up to 4096 floats keeps e in local memory, a longer one (5008)
+    computes exp again; a fully -inf row gives zeros and a +inf makes its row NaN on all."""
     rng = np.random.default_rng(7)
     x = rng.standard_normal(shape).astype(np.float32) * 10
     flat = x.reshape(-1, shape[-1])
