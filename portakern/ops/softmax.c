@@ -8,9 +8,10 @@
  * does +inf (exp(inf - inf) is NaN: the row is NaN, as in the oracle).
  *
  * CPU schedule (STORE_EXP): three passes over a row that stays in cache. Where the output is
- * larger than the caches (STREAM=1, chosen by size), the exp pass only sums and the scale pass
- * computes exp again and writes y with streaming stores: y is written once and no line of it
- * is read for ownership, a third less memory traffic for one more exp per element.
+ * larger than the caches (STREAM=1, chosen by size), the exp pass keeps e in a local row (up
+ * to 4096 floats; a longer row computes exp again in the scale pass) instead of y, and the
+ * scale pass writes y with streaming stores: y is written once and no line of it is read for
+ * ownership, a third less memory traffic.
  *
  * Long rows are summed in blocks: each item's (or lane's) sum takes SBLK terms into a block
  * partial before adding it to its running sum, so a 10^6-element row's sum errs by ~1e-7

@@ -96,10 +96,10 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
     return np.abs(ref) * rel + floor
 
 
-# STREAM = 2 streams outputs of at least this size. Side by side on a 2-core Xeon (PoCL and
-# Intel): a 64 MiB output 1.5x faster streamed, a 16 MiB one as fast either way (the second
-# exp costs what the saved traffic gains); a small output is read again by its consumer from
-# cache, which a streamed one has left.
+# STREAM = 2 streams outputs of at least this size. Side by side on a 2-core Xeon (PoCL /
+# Intel, rows of 4096 floats, streamed time against cached): 128 MiB 1.43 / 1.23x faster,
+# 64 MiB 1.45 / 1.27x, 32 MiB 1.05 / 0.87x (the edge), 16 MiB 0.92 / 0.81x, 8 MiB 0.91 /
+# 0.84x: a small output stays in cache for its consumer, where a streamed one has left.
 STREAM_MIN_BYTES = 32 << 20
 
 
@@ -218,10 +218,10 @@ SPEC = KernelSpec(
               Tunable("UNROLL", (1, 2, 4, 8), "vectors per block between rescales"),
               Tunable("STORE_EXP", (0, 1), "exp once per element: max pass, exp pass into the "
                       "output, scale pass (fp32/fp64 storage; else ignored)"),
-              Tunable("STREAM", (0, 1, 2), "with STORE_EXP and VEC > 1: 1 computes exp again "
-                      "in the scale pass and streams the output out (written once, never read "
-                      "for ownership); 0 keeps it in cache; 2: 1 when the output is at least "
-                      "STREAM_MIN_BYTES")),
+              Tunable("STREAM", (0, 1, 2), "with STORE_EXP and VEC > 1: 1 keeps e in a local "
+                      "row (exp again past 4096 floats) and streams the output out (written "
+                      "once, never read for ownership); 0 keeps it in cache; 2: 1 when the "
+                      "output is at least STREAM_MIN_BYTES")),
     schedules={"gpu": {"WG": 256, "VEC": 1, "UNROLL": 1, "STORE_EXP": 0, "STREAM": 0},
                "cpu": {"WG": 1, "VEC": 16, "UNROLL": 4, "STORE_EXP": 1, "STREAM": 2}},
     fit_device=fit_stream,
