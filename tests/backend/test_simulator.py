@@ -65,7 +65,8 @@ def matmul_cases(dtype: str) -> list[tuple[dict, dict]]:
 
 def softmax_cases(dtype: str) -> list[tuple[dict, dict]]:
     """n = 1; n = 257 (WG 256 + 1) with a row of only -inf and scattered -inf; n = 65
-    (VEC * UNROLL 64 + 1: the vector blocks and their scalar tail); a strided middle axis."""
+    (VEC * UNROLL 64 + 1: the vector blocks and their scalar tail); a strided middle axis;
+    n = 128 (8 vectors, every row aligned: the streamed path's pairs, also with 4 items)."""
     rng = np.random.default_rng(2)
     x1 = _normal(rng, (1,), dtype)
     x2 = _normal(rng, (3, 257), dtype).copy()
@@ -73,8 +74,9 @@ def softmax_cases(dtype: str) -> list[tuple[dict, dict]]:
     x2[1, ::7] = -np.inf
     x3 = _normal(rng, (2, 65), dtype)
     x4 = _normal(rng, (2, 17, 3), dtype)
+    x5 = _normal(rng, (2, 128), dtype)
     return [({"x": x1}, {"axis": -1}), ({"x": x2}, {"axis": 1}), ({"x": x3}, {"axis": -1}),
-            ({"x": x4}, {"axis": 1})]
+            ({"x": x4}, {"axis": 1}), ({"x": x5}, {"axis": -1})]
 
 
 def attention_cases(dtype: str) -> list[tuple[dict, dict]]:
@@ -135,6 +137,22 @@ def test_schedules_clean_on_simulator(op: str, schedule: str, dtype: str) -> Non
     if not spec.source:
         pytest.skip(f"{op} has no C kernel")
     run(op, spec.config(schedule), dtype)
+
+
+# Paths the CPU schedule picks by size, which the sweep's small cases never reach: matmul's
+# packed B (a B over 1 MiB) and softmax's streamed output with e kept in local memory (an
+# output of 32 MiB or more), the latter also shared by 4 items of a group.
+SIZE_CHOSEN = [("matmul", {"PACK_B": 1}), ("softmax", {"STREAM": 1}),
+               ("softmax", {"STREAM": 1, "WG": 4})]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("op,overlay", SIZE_CHOSEN,
+                         ids=[f"{op}-{'-'.join(f'{k}{v}' for k, v in o.items())}"
+                              for op, o in SIZE_CHOSEN])
+def test_size_chosen_paths_clean_on_simulator(op: str, overlay: dict, dtype: str) -> None:
+    _simulator_or_skip()
+    run(op, get_op(op).config("cpu", overlay), dtype)
 
 
 @pytest.fixture

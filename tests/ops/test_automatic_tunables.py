@@ -100,3 +100,21 @@ def test_streamed_and_cached_outputs_are_identical(shape: tuple[int, ...],
     assert np.all(out[1] == 0) and np.all(np.isnan(out[-1]))
     ok = [r for r in range(out.shape[0]) if r not in (1, out.shape[0] - 1)]
     np.testing.assert_allclose(out[ok].sum(axis=-1), 1.0, rtol=1e-5)
+
+
+def test_size_chosen_paths_repeat_on_device_arrays(kernel_target: str) -> None:
+    """Each size-chosen path called twice on device-resident arrays (no host copies), as a
+    plan's runner repeats it: the same bits each time, and the same as from host arrays."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, 256)).astype(np.float32)
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in ((30, 70), (70, 90)))
+    xd = pk.to_backend(x, kernel_target)
+    ad, bd = pk.to_backend(a, kernel_target), pk.to_backend(b, kernel_target)
+    for op, dev, host, cfg in (("softmax", (xd,), (x,), {"STREAM": 1}),
+                               ("matmul", (ad, bd), (a, b), None),
+                               ("matmul", (ad, bd), (a, b), {"PACK_B": 1})):
+        first, again = (np.asarray(pk.call(op, *dev, backend=kernel_target, config=cfg).get())
+                        for _ in range(2))
+        np.testing.assert_array_equal(first, again)
+        np.testing.assert_array_equal(
+            first, np.asarray(pk.call(op, *host, backend=kernel_target, config=cfg)))
