@@ -436,7 +436,7 @@ def _builtin_lines(macro: str, params: str, template: str, fallback: str) -> lis
             "#endif"]
 
 
-def _prefetch_lines(d: Dialect) -> list[str]:
+def _builtin_macros(d: Dialect) -> list[str]:
     """PK_PREFETCH(p): the dialect's hint where its compiler has it, else nothing;
     PK_STREAM_STORE(v, p): its cache-bypassing store, else a plain store."""
     return [*_builtin_lines("PK_PREFETCH", "p", d.prefetch, "((void)0)"),
@@ -460,7 +460,7 @@ def _macro_block(d: Dialect) -> str:
         f"#define PK_INFINITY {d.infinity}",
         f"#define PK_HAS_VECTOR {int(d.vectors)}",
         f"#define PK_LAUNCH_BOUNDS(n, m) {d.launch_bounds.format(n='n', m='m')}",
-        *_prefetch_lines(d),
+        *_builtin_macros(d),
         "#define PK_CAT_(a, b) a##b",
         "#define PK_CAT(a, b) PK_CAT_(a, b)",
     ]

@@ -115,9 +115,9 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
                 /* the next row's lines, fetched while this row computes in cache (a
                  * contiguous next row: it is usually this item's next group) */
                 const int pf = row + 1 < PK_NUM_GROUPS(0);
-                /* STREAM: pass 3 computes e again and streams y out, so y is written once
-                 * and never read (no line of it fetched for ownership) */
-                const int keep = !stream;
+                /* e goes into y, to be scaled in place, unless the row streams: then into
+                 * the local row (kept), or nowhere (pass 3 computes it again) */
+                const int store_y = !stream;
                 svt sv = (svt)(0);
                 for (int b0 = lid; b0 < nv; b0 += WG * SBLK) {
                     const int bend = min(b0 + WG * SBLK, nv);
@@ -132,7 +132,7 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
                         }
                         const svt e0 = PK_VEXP(PK_CAT(vload, VEC)(bi, xr) - (svt)(rmax));
                         const svt e1 = PK_VEXP(PK_CAT(vload, VEC)(bi + WG, xr) - (svt)(rmax));
-                        if (keep) {
+                        if (store_y) {
                             PK_CAT(vstore, VEC)(e0, bi, yr);
                             PK_CAT(vstore, VEC)(e1, bi + WG, yr);
                         } else if (kept) {
@@ -144,7 +144,7 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
                     }
                     for (; bi < bend; bi += WG) {
                         const svt e = PK_VEXP(PK_CAT(vload, VEC)(bi, xr) - (svt)(rmax));
-                        if (keep) PK_CAT(vstore, VEC)(e, bi, yr);
+                        if (store_y) PK_CAT(vstore, VEC)(e, bi, yr);
                         else if (kept) SM_KEEP(bi, e);
                         sp += e;
                     }
