@@ -18,6 +18,8 @@
  *   straight-line FMAs. FLOPs: 2 * n * CHAINS * VW * ITERS. There is no bounds test (n is a
  *   multiple of the work-group size): a conditional store can stop PoCL vectorising.
  *   acc <- acc * b + c with 0 < b < 1 converges to c / (1 - b): no overflow, no subnormals.
+ *   Each lane starts from a different value, so the lanes cannot be computed once and
+ *   broadcast (see the kernel).
  */
 #if PK_HAS_VECTOR && VW > 1
 #define PK_PV PK_CAT(PK_ACC_T, VW)
@@ -58,8 +60,18 @@ PK_KERNEL void pk_probe_fma(PK_GLOBAL PK_T_T* PK_RESTRICT Y, PK_ACC_T b, PK_ACC_
     const int i = PK_GROUP_ID(0) * PK_LOCAL_SIZE(0) + PK_LOCAL_ID(0);
     const PK_PV vb = PK_PV_SET(b), vc = PK_PV_SET(c);
     PK_PV acc[CHAINS];
+    /* every lane of every chain starts from its own value: with a splat start (all lanes
+     * equal) splat * splat + splat is a splat, and a compiler may compute one lane and
+     * broadcast it (Intel's OpenCL runtime does: 307 GFLOP/s "measured" on two Zen cores
+     * whose peak is ~96), crediting VW lanes for one. The per-lane offsets are built once,
+     * through memory, so the chains themselves stay in registers. */
+    PK_ACC_T ramp_l[sizeof(PK_PV) / sizeof(PK_ACC_T)];
 #pragma unroll
-    for (int j = 0; j < CHAINS; ++j) acc[j] = PK_PV_SET(((i & 1023) + j) * (PK_ACC_T)1e-4);
+    for (int l = 0; l < (int)(sizeof(PK_PV) / sizeof(PK_ACC_T)); ++l)
+        ramp_l[l] = (PK_ACC_T)l * (PK_ACC_T)1e-3;
+    const PK_PV ramp = *(const PK_PV*)ramp_l;
+#pragma unroll
+    for (int j = 0; j < CHAINS; ++j) acc[j] = PK_PV_SET(((i & 1023) + j) * (PK_ACC_T)1e-4) + ramp;
 #pragma unroll
     for (int t = 0; t < ITERS; ++t) {
 #pragma unroll

@@ -35,13 +35,14 @@ PROBE_TIMING = TimingConfig(min_time=0.1, min_reps=3, max_reps=50, budget_s=4.0)
 # (elements copied, [(VW, WG), ...]) and (work-items, [(VW, CHAINS, ITERS, WG), ...]) per
 # device class. VW is the vector width (OpenCL floatVW; a dialect without vector types runs
 # VW = 1). The CPU trials put 8-16 independent 16-lane chains per work-item (AVX-512: one or
-# two zmm FMA pipes of 4-cycle latency need >= 8 in flight); the scalar trial is kept so a
+# two zmm FMA pipes of 4-cycle latency need >= 8 in flight), and 8 chains of 8 lanes (AVX2:
+# 16 ymm registers; 16-lane chains take two each and spill); the scalar trial is kept so a
 # device where vectors do worse is still measured at its best.
 COPY_SHAPES = {"cpu": (32 << 20, ((16, 64), (8, 128), (1, 1024))),
                "gpu": (64 << 20, ((4, 256), (1, 256), (1, 1024)))}
 FMA_SHAPES = {
     "cpu": (1 << 16, ((16, 8, 64, 64), (16, 12, 64, 64), (16, 12, 64, 4), (8, 16, 64, 64),
-                      (1, 8, 128, 256))),
+                      (8, 8, 64, 64), (1, 8, 128, 256))),
     "gpu": (1 << 22, ((1, 8, 128, 256), (1, 16, 64, 256), (4, 8, 64, 256), (1, 4, 256, 128))),
 }
 JAX_COPY_ELEMS = {"cpu": 32 << 20, "gpu": 64 << 20}
