@@ -353,6 +353,16 @@ class Backend(abc.ABC):
     def device_class(self) -> str:
         return "cpu" if self.device.kind == "cpu" else "gpu"
 
+    @property
+    def schedule_class(self) -> str:
+        """The key of the spec schedules this device starts from (KernelSpec.schedule_for):
+        'cpu256' for a CPU whose native float vectors are 256 bits wide (AVX2: the CPU
+        schedules are written for AVX-512's 32 zmm registers; their 16-lane register blocks
+        take two of AVX2's 16 ymm registers each and spill), else the device class."""
+        if self.device_class == "cpu" and self.device.extra.get("vector_bits") == 256:
+            return "cpu256"
+        return self.device_class
+
     def supported_dtypes(self) -> tuple[str, ...]:
         base = ("float32", "float16", "bfloat16")
         return base + ("float64",) if self.device.fp64 else base

@@ -242,6 +242,28 @@ def context_error(backend: Any, name: str, x: Any) -> ContextMismatchError:
         "portakern.to_backend(x, 'opencl:N') are in that device's one shared context.")
 
 
+def host_vector_bits(cpuinfo: str = "/proc/cpuinfo") -> int:
+    """The host CPU's widest float vector in bits from its flags (avx512f 512, avx/avx2 256,
+    else 0: unknown). Why: a CPU OpenCL runtime may report its own preferred width as the
+    native one (Intel's runtime says 8 floats on AVX2; whether it says 16 on every AVX-512
+    part is not shown here), and the CPU schedules must not take AVX2's smaller blocks on an
+    AVX-512 machine."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")),
+                         [])
+    except OSError:
+        return 0
+    return 512 if "avx512f" in flags else 256 if ("avx2" in flags or "avx" in flags) else 0
+
+
+def vector_bits(dev: Any, kind: str) -> int:
+    """A device's widest native float vector in bits: OpenCL's native_vector_width_float,
+    for a CPU device raised to what the host's flags say (host_vector_bits)."""
+    bits = 32 * int(getattr(dev, "native_vector_width_float", 0) or 0)
+    return max(bits, host_vector_bits()) if kind == "cpu" else bits
+
+
 def probe_devices() -> Availability:
     """Every OpenCL device the ICD loader lists, each with its alias; or why there is none."""
     if cl is None:
@@ -272,6 +294,9 @@ def probe_devices() -> Availability:
             local_mem_bytes=int(d.local_mem_size), compute_units=int(d.max_compute_units),
             extra={"opencl_c": d.opencl_c_version, "alias": alias + (str(n) if n else ""),
                    "device_id": d.int_ptr, "fp16_arith": "cl_khr_fp16" in d.extensions,
+                   # the widest native float vector, in bits (AVX2 256, AVX-512 512):
+                   # Backend.schedule_class picks the CPU schedules' register blocks by it
+                   "vector_bits": vector_bits(d, device_kind(d)),
                    # what codegen's matrix_units match: the matrix extensions it offers
                    "arch": " ".join(e for e in d.extensions.split() if "matrix" in e)}))
     return Availability(True, versions=versions, devices=devices)

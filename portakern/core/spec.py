@@ -199,6 +199,11 @@ def check_index_range(spec: str, what: str, shape: Sequence[int]) -> None:
             "that 32-bit kernel indexing addresses; split the call into smaller pieces.")
 
 
+def schedule_family(schedule_class: str) -> str:
+    """'cpu256' -> 'cpu': a schedule class is its family plus the native vector bits."""
+    return schedule_class.rstrip("0123456789") or schedule_class
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """The single source of truth of an op. docs/add-a-kernel.md explains each field; a user op
@@ -218,7 +223,11 @@ class KernelSpec:
     # outputs) -> the bound (a tuple of bounds for several outputs)
     tolerance: Callable[[Problem, dict[str, np.ndarray], Any], Any]
     tunables: tuple[Tunable, ...] = ()
-    schedules: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # 'cpu' / 'gpu'
+    # 'gpu' (required), 'cpu', and optionally 'cpu256' (a CPU whose native float vectors
+    # are 256 bits, AVX2: half the lanes and half the registers of AVX-512, so smaller
+    # register blocks) and 'mma'; a class the spec lacks falls back to its family
+    # ('cpu256' -> 'cpu'), then to 'gpu' (schedule_for)
+    schedules: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     config_check: Callable[[Problem | None, Mapping[str, int]], str | None] | None = None
     # optional: the Pallas kernel (jax:pallas path), a PallasKernel (block tunables declared)
     # or a bare callable build(problem, interpret, *, platform, reference) taking no blocks
@@ -410,15 +419,23 @@ class KernelSpec:
                               defines=self.defines(problem, config), fragments=fragments)
 
     # --- tunables -----------------------------------------------------------------------
+    def schedule_for(self, schedule_class: str) -> Mapping[str, int]:
+        """The default schedule for a class: its own ('cpu256'), else its family's ('cpu'),
+        else the 'gpu' one every spec has (empty for a spec without tunables)."""
+        for key in (schedule_class, schedule_family(schedule_class), "gpu"):
+            if key in self.schedules:
+                return self.schedules[key]
+        return {}
+
     def config(self, device_class: str, overrides: Mapping[str, object] | None = None,
                problem: Problem | None = None, *, matrix: bool = False) -> dict[str, int]:
-        """Default schedule for a device class ('cpu' or 'gpu'), overridden and validated.
+        """Default schedule for a device's schedule class ('gpu', 'cpu', 'cpu256': see
+        ``schedule_for``), overridden and validated.
         ``matrix``: the device has matrix units (``Backend.matrix_unit``); a spec's "mma"
         schedule, where it has one, is then the default (docs/fragments.md)."""
         # overrides may hold anything a caller passed: each value is checked below
         sched = self.schedules.get("mma") if matrix else None
-        base: dict[str, object] = dict(sched or self.schedules.get(device_class)
-                                       or self.schedules.get("gpu") or {})
+        base: dict[str, object] = dict(sched or self.schedule_for(device_class))
         if overrides:
             base.update(overrides)
         known = {t.name: t for t in self.tunables}

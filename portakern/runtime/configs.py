@@ -284,7 +284,8 @@ def lookup(backend: Any, spec: KernelSpec, prob: Problem) -> dict[str, int] | No
             _warn_entry(devkey, e.key, f"the spec rejects it ({exc})")
             continue
         try:  # and for this problem: the spec's own check and the launch geometry
-            cfg = spec.config(backend.device_class, e.config, prob, matrix=has_matrix_unit(backend))
+            cfg = spec.config(backend.schedule_class, e.config, prob,
+                              matrix=has_matrix_unit(backend))
             wg = max((la.local[0] * la.local[1] * la.local[2] for la in spec.launches(prob, cfg)),
                      default=1)
         except PortakernError as exc:
@@ -321,17 +322,18 @@ def config_for(backend: Backend, spec: KernelSpec, prob: Problem,
     ask the same question here): the caller's ``overrides`` (checked against the tunables'
     domains), else this device's tuned entry for the problem's bucket (``lookup``; never for
     a backend whose ``uses_tuned_configs`` is False, e.g. the simulator), else the spec's
-    schedule for the device class. Tuned lookups are memoised per (backend, spec, tuning
-    generation, bucket) in one bounded cache; the automatic tunables are fitted after it, per
-    problem, since a bucket spans sizes they tell apart (N = 512 and 1024 share one)."""
+    schedule for the device's schedule class ('cpu256' on AVX2, KernelSpec.schedule_for).
+    Tuned lookups are memoised per (backend, spec, tuning generation, bucket) in one bounded
+    cache; the automatic tunables are fitted after it, per problem, since a bucket spans
+    sizes they tell apart (N = 512 and 1024 share one)."""
     if overrides:
-        return fitted(backend, spec, prob, spec.config(backend.device_class, overrides, prob,
+        return fitted(backend, spec, prob, spec.config(backend.schedule_class, overrides, prob,
                                                         matrix=has_matrix_unit(backend)))
     key = (backend, spec.token) + cache_token(prob)
     cfg = _CONFIGS.get(key)
     if cfg is None:
         found = lookup(backend, spec, prob) if backend.uses_tuned_configs else None
-        cfg = found or spec.config(backend.device_class, None, prob,
+        cfg = found or spec.config(backend.schedule_class, None, prob,
                                    matrix=has_matrix_unit(backend))
         with _LOCK:
             _CONFIGS[key] = cfg

@@ -92,7 +92,7 @@ def make_plan(be: Backend, spec: KernelSpec, arrays: Mapping[str, Any],
     be.check_dtype(spec, prob)
     cfg = dict(config) if config else None
     if cfg and isinstance(be, KernelBackend):  # the tunables' domains, the spec's own check
-        spec.config(be.device_class, cfg, prob,  # (array backends check where they use it)
+        spec.config(be.schedule_class, cfg, prob,  # (array backends check where they use it)
                     matrix=configs.has_matrix_unit(be))
     return Plan(spec, be, prob, cfg, gen)
 

@@ -221,11 +221,12 @@ class _Search:
         self.tried: set[tuple[tuple[str, int], ...]] = set()
         self.skipped: Counter[str] = Counter()
         self.space = math.prod(len(t.domain) for t in spec.tunables)
-        first = [be.device_class] + [c for c in spec.schedules if c != be.device_class]
+        mine = be.schedule_class if be.schedule_class in spec.schedules else be.device_class
+        first = [mine] + [c for c in spec.schedules if c != mine]
         self.defaults: list[tuple[str, dict[str, Any]]] = []
         for c in first:
             if c in spec.schedules:
-                self.defaults.append(("default" if c == be.device_class else f"default:{c}",
+                self.defaults.append(("default" if c == mine else f"default:{c}",
                                       dict(spec.schedules[c])))
         if not self.defaults:
             self.defaults.append(("default", {}))
@@ -234,7 +235,7 @@ class _Search:
     def precheck(self, raw: Mapping[str, Any]) -> dict[str, int] | None:
         """The validated config, or None (counted in ``skipped``) if it cannot run here."""
         try:
-            cfg = self.spec.config(self.be.device_class, raw, self.prob)
+            cfg = self.spec.config(self.be.schedule_class, raw, self.prob)
             launches = self.spec.launches(self.prob, cfg)
         except (InvalidArgumentError, SpecError, PortakernError) as exc:
             self.skipped["spec rejects it" if "invalid" in str(exc) or "domain" in str(exc)

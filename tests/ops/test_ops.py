@@ -97,6 +97,7 @@ ALTERNATIVE_CONFIGS = {
         # case reaches
         {"PACK_B": 1},
         {"TM": 8, "TN": 2, "LY": 2},  # two rows of items per group, a narrower register block
+        {"TN": 2, "VEC": 8},  # the cpu256 schedule (AVX2): 6x16 per item; or cpu on AVX2
         {"VEC": 1, "TM": 4, "TN": 4, "LX": 4, "LY": 4},  # the scalar direct path, packed B
         {"USE_LOCAL": 1, "LX": 8, "LY": 8, "TM": 2, "TN": 2, "TK": 8, "VEC": 1},  # local tiles
     ],
@@ -109,7 +110,7 @@ ALTERNATIVE_CONFIGS = {
     ],
     "attention": [
         {"PACK_KV": 0, "BQ": 8, "BK": 16},  # vector path staging tiles in local memory
-        {"TQ": 2, "RQ": 4, "BK": 32},  # several small register blocks per item
+        {"TQ": 2, "RQ": 4, "BK": 32},  # small register blocks: the cpu256 schedule (AVX2)
         {"TQ": 8, "RQ": 1},  # one large block
         {"VEC": 8, "BK": 16, "TQ": 6, "RQ": 2},
         {"VEC": 1, "TQ": 2, "RQ": 2, "BQ": 4, "BK": 16},  # the scalar path, 4 queries per item

@@ -45,7 +45,7 @@ def _fit(be: Any, spec: Any, prob: Any, cfg: Any) -> dict[str, int]:
 
 def _default(be: Any, spec: Any, prob: Any) -> dict[str, int]:
     """config_for's fallback: the device class's schedule, fitted."""
-    return _fit(be, spec, prob, spec.config(be.device_class, None, prob))
+    return _fit(be, spec, prob, spec.config(be.schedule_class, None, prob))
 
 
 def _opencl() -> Any:
@@ -82,14 +82,14 @@ def _entry(be: Any, spec: Any, prob: Any, config: dict[str, Any], **meta: Any) -
 
 def _non_default(be: Any, spec: Any, prob: Any) -> dict[str, int]:
     """A valid configuration that differs from the device's default schedule."""
-    base = spec.config(be.device_class, None, prob)
+    base = spec.config(be.schedule_class, None, prob)
     for t in spec.tunables:
         for v in t.domain:
             cand = {**base, t.name: v}
             if v == base[t.name]:
                 continue
             try:
-                cfg = spec.config(be.device_class, cand, prob)
+                cfg = spec.config(be.schedule_class, cand, prob)
             except InvalidArgumentError:
                 continue
             wg = max(la.local[0] * la.local[1] * la.local[2] for la in spec.launches(prob, cfg))
@@ -127,7 +127,7 @@ def test_tuned_configuration_is_stored_used_and_correct(db: Path, be: Any) -> No
     text = "\n".join(lines)
     assert res.best is not None and res.stored is not None and res.stored.exists()
     assert "[  1/" in text and " default " in text and "best" in text and "stored:" in text
-    assert res.default is not None and res.default.config == MATMUL.config(be.device_class)
+    assert res.default is not None and res.default.config == MATMUL.config(be.schedule_class)
     assert all(o.status in ("ok", "slower", "rejected", "failed") for o in res.outcomes)
     assert stat_mode(res.stored) == 0o600
     # ops now use the tuned schedule, validated, for the tuned bucket and (nearest) others
@@ -139,7 +139,7 @@ def test_tuned_configuration_is_stored_used_and_correct(db: Path, be: Any) -> No
     # ... and give oracle-correct results, as does the default, on random edge cases
     _check_cases(MATMUL, fresh, None, seed=5, n=5)
     _check_cases(MATMUL, fresh, res.best.config, seed=6, n=3)
-    _check_cases(MATMUL, fresh, MATMUL.config(fresh.device_class), seed=7, n=3)
+    _check_cases(MATMUL, fresh, MATMUL.config(fresh.schedule_class), seed=7, n=3)
     # `portakern info` shows it
     summary = configs.tuned_summary("opencl", fresh.device, type(fresh).probe().versions)
     assert [s["op"] for s in summary] == ["matmul"] and not summary[0]["stale"]
@@ -225,7 +225,7 @@ def test_environment_or_stored_values_never_reach_source(value: object) -> None:
 @pytest.mark.parametrize("value", BAD_VALUES, ids=repr)
 def test_malicious_entry_with_a_valid_hash_is_rejected(db: Path, be: Any, value: object) -> None:
     prob = _prob(MATMUL)
-    payload = _entry(be, MATMUL, prob, MATMUL.config(be.device_class, None, prob))
+    payload = _entry(be, MATMUL, prob, MATMUL.config(be.schedule_class, None, prob))
     payload["config"]["TM"] = value  # written through the store: its sha256 is correct
     st = configs.store_for(payload["device_key"])
     assert st.put(configs.entry_key("matmul", payload["bucket"], payload["source_hash"]), payload)
