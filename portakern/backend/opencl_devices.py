@@ -10,6 +10,7 @@ moves when a platform is added, a name does not. The default device follows one 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import sys
@@ -242,6 +243,7 @@ def context_error(backend: Any, name: str, x: Any) -> ContextMismatchError:
         "portakern.to_backend(x, 'opencl:N') are in that device's one shared context.")
 
 
+@functools.lru_cache(maxsize=4)
 def host_vector_bits(cpuinfo: str = "/proc/cpuinfo") -> int:
     """The host CPU's widest float vector in bits from its flags (avx512f 512, avx/avx2 256,
     else 0: unknown). Why: a CPU OpenCL runtime may report its own preferred width as the

@@ -126,7 +126,11 @@ def run(op: str, config: dict, dtype: str) -> None:
 
 
 COLLECTED = tuple(OPS)  # the registry when this file was collected: the sweep's ops
-SWEEP = [(op, sched, dt) for op in COLLECTED for sched in ("gpu", "cpu") for dt in DTYPES]
+# the gpu and cpu schedules of every op, and the AVX2 register blocks (cpu256) where an op has
+# them: a CPU device picks those by its vector width, the simulator never would
+SWEEP = [(op, sched, dt) for op in COLLECTED
+         for sched in ("gpu", "cpu") + (("cpu256",) if "cpu256" in get_op(op).schedules else ())
+         for dt in DTYPES]
 
 
 @pytest.mark.parametrize("op,schedule,dtype", SWEEP,
