@@ -28,10 +28,11 @@
  * converted once and used RB times), the VEC dot products per row come out of one
  * transpose-and-add tree, then one max, a rescale only when the max rises, and one vector
  * exp per row and chunk. P.V is register-blocked too (PA_CG accumulator vectors of every row
- * stay in registers while the chunk's V rows stream past). The next page's lines are
- * prefetched (PK_PREFETCH) while a page is computed: the pages sit wherever the block table
- * puts them, so the hardware prefetcher cannot see them coming, and without it the kernel
- * pays the memory's latency once per page on top of its arithmetic.
+ * stay in registers while the chunk's V rows stream past). The next chunk's K and V rows
+ * are prefetched (PK_PREFETCH) a row at a time inside this chunk's loops: the pages sit
+ * wherever the block table puts them, so the hardware prefetcher cannot see them coming;
+ * without it the kernel pays the memory's latency once per page on top of its arithmetic,
+ * and with a whole page requested at once it stalls until the miss buffers drain.
  * GPU schedule (scalar, any WG): tiles of WG keys; item j scores key j for every row into
  * local memory, items r < RB update row r's max and sum, then every item accumulates its
  * (row, d) outputs over the tile.
@@ -127,6 +128,11 @@ PK_DEVICE_FN float pa_hmax8(float8 v) { return pa_hmax4(fmax(v.lo, v.hi)); }
 #endif
 #define NQV (DQ / VEC)
 #define PA_ESZ (PA_ST ? 2 : 4) /* bytes per stored element */
+/* every cache line of the `n` bytes at p (n a constant: unrolled) */
+#define PA_PREFETCH_ROW(p, n) do { \
+        _Pragma("unroll") for (int pf_ = 0; pf_ < (n); pf_ += 64) PK_PREFETCH((p) + pf_); \
+        PK_PREFETCH((p) + (n) - 1); \
+    } while (0)
 /* accumulator vectors per row held in registers through P.V: RB * PA_CG <= 16 */
 #define PA_CG (16 / RB < NAV ? (16 / RB > 0 ? 16 / RB : 1) : NAV)
 #define NAV (DV / VEC)
@@ -202,17 +208,24 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         const PK_GLOBAL PK_T_T* kp = KC + ((blk * Hkv + kvh) * BS) * DQ;
         const PK_GLOBAL PK_T_T* vp = VC + ((blk * Hkv + kvh) * BS) * DV;
         const int nkeys = min(BS, L - pg * BS); /* >= 1 */
-        if (pg + 1 < p_hi) { /* the next page's K and V lines, fetched while this one runs */
-            const int nblk = PA_BLOCK(pg + 1);
-            const PK_GLOBAL char* kn = (const PK_GLOBAL char*)(KC + ((nblk * Hkv + kvh) * BS) * DQ);
-            const PK_GLOBAL char* vn = (const PK_GLOBAL char*)(VC + ((nblk * Hkv + kvh) * BS) * DV);
-            for (int i = 0; i < BS * DQ * PA_ESZ; i += 64) PK_PREFETCH(kn + i);
-            for (int i = 0; i < BS * DV * PA_ESZ; i += 64) PK_PREFETCH(vn + i);
-        }
         for (int t0 = 0; t0 < nkeys; t0 += VEC) {
             const int nk = min(VEC, nkeys - t0);
             const PK_GLOBAL PK_T_T* kc = kp + t0 * DQ;
             const PK_GLOBAL PK_T_T* vc = vp + t0 * DV;
+            /* The next chunk (this page's next VEC keys, else the next page's first): its K
+             * and V rows are prefetched a row at a time inside this chunk's loops, so their
+             * fetch overlaps this chunk's arithmetic. (Fetching a whole page in one burst
+             * stalls the core once the cache's miss buffers fill: the fetch and the
+             * arithmetic then add up instead of overlapping.) */
+            int nt0 = t0 + VEC, npg = pg;
+            if (nt0 >= nkeys) { nt0 = 0; npg = pg + 1; }
+            const int has_next = npg < p_hi;
+            const int nblk = has_next ? PA_BLOCK(npg) : blk;
+            const int nnk = has_next ? min(VEC, min(BS, L - npg * BS) - nt0) : 1;
+            const PK_GLOBAL char* kn =
+                (const PK_GLOBAL char*)(KC + ((nblk * Hkv + kvh) * BS + nt0) * DQ);
+            const PK_GLOBAL char* vn =
+                (const PK_GLOBAL char*)(VC + ((nblk * Hkv + kvh) * BS + nt0) * DV);
             /* Q.K^T, register-blocked: two keys at a time against every row, each K vector
              * loaded (converted) once and used RB times from a register. Lanes past nk read
              * key nk - 1 again (in bounds); their scores are masked below. */
@@ -220,6 +233,10 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
             #pragma unroll 1
             for (int j = 0; j < VEC; j += 2) {
                 const int j0 = min(j, nk - 1), j1 = min(j + 1, nk - 1);
+                if (has_next) {
+                    PA_PREFETCH_ROW(kn + min(j, nnk - 1) * DQ * PA_ESZ, DQ * PA_ESZ);
+                    PA_PREFETCH_ROW(kn + min(j + 1, nnk - 1) * DQ * PA_ESZ, DQ * PA_ESZ);
+                }
                 pa_vt s0[RB], s1[RB];
                 #pragma unroll
                 for (int r = 0; r < RB; ++r) {
@@ -299,17 +316,28 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 #pragma unroll 1
                 for (int j = 0; j < VEC; ++j) {
                     const int jj = min(j, nk - 1);
+                    if (c0 == 0 && has_next)
+                        PA_PREFETCH_ROW(vn + min(j, nnk - 1) * DV * PA_ESZ, DV * PA_ESZ);
                     #pragma unroll
                     for (int i = 0; i < PA_CG; ++i) {
                         if (c0 + i < NAV) {
                             const pa_vt x = PA_VLOAD(vc + jj * DV + (c0 + i) * VEC);
-                            bad = fma(x, (pa_vt)(0.0f), bad); /* NaN where x is not finite */
                             #pragma unroll
                             for (int r = 0; r < RB; ++r)
                                 a[r][i] = fma((pa_vt)(w[r * VEC + j]), x, a[r][i]);
                         }
                     }
                 }
+                /* A non-finite entry in the chunk's V rows leaves a non-finite accumulator
+                 * whatever its weight (w * inf is inf, 0 * inf NaN, and neither leaves), so
+                 * one check per accumulator after the chunk finds it, not one per V vector.
+                 * An overflow or a NaN weight takes the exact path too, which gives the same
+                 * value. */
+                #pragma unroll
+                for (int r = 0; r < RB; ++r)
+                    #pragma unroll
+                    for (int i = 0; i < PA_CG; ++i)
+                        if (c0 + i < NAV) bad = fma(a[r][i], (pa_vt)(0.0f), bad);
                 if (!all(isequal(bad, (pa_vt)(0.0f)))) {
                     /* from the chunk's start again, exactly: bad entries zeroed, the rows
                      * that keep a bad row's key poisoned */
