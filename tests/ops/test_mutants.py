@@ -149,7 +149,10 @@ MUTANTS = {
         "#define AT_KROW(d) (kth + (k0 / BK * DQ_ + ((d) + 1) % DQ_) * BK)",
         {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
     "attention: P.V also runs rows with nothing to attend in the tile": (
-        "attention", "                    if (!all_on && !on[t]) continue;\n", "",
+        "attention",
+        ("pv[t] = (vt)(all_on || on[t] ? pt[t][j] : (PK_ACC_T)0);",
+         "if (all_on || on[t]) a[t][c] = fma("),
+        ("pv[t] = (vt)(pt[t][j]);", "a[t][c] = fma("),
         {"BK": 16, "VEC": 16}, "float32"),
     "attention: the denominators' lane sum drops a lane": (
         "attention", "e[i] += e[i + w];", "e[i] += (w == 1) ? (PK_ACC_T)0 : e[i + w];",
