@@ -63,12 +63,15 @@ def plan_key(spec: KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any],
     resolves its backend again.
 
     Raises AttributeError for an operand without shape/dtype (a list, a scalar): such a call
-    is validated (and refused) without a plan; an unhashable part raises TypeError at lookup."""
+    is validated (and refused) without a plan; an unhashable part raises TypeError at lookup.
+    A positional None (an optional operand left out, ``pk.call('attention', q, k, v, None)``)
+    is a key entry of its own: such calls were once planned, and their kernels' launchers
+    built, on every call (4 ms per attention call on a 2-core CPU)."""
     key: list[Any] = [spec.token, backend, _CURRENT(), _ENV_BACKEND(), _ENV_MMA_LAYOUT(),
                       registry.VERSION, configs.GENERATION]
     append = key.append
-    for a in args:
-        append((a.__class__, a.shape, a.dtype))
+    for a in args:  # an absent optional operand passed as None is part of the key too
+        append(None if a is None else (a.__class__, a.shape, a.dtype))
     if kwargs:
         names = spec._operand_names
         for k, v in kwargs.items():
@@ -215,10 +218,13 @@ def _runner(plan: Plan, args: Sequence[Any], kwargs: Mapping[str, Any]
     if not isinstance(be, KernelBackend) or not plan.steps or prob.empty_result:
         return None
     spec_names = plan.spec._operand_names
-    if tuple(plan.buffer_names[:len(args)]) != tuple(spec_names[:len(args)]):
+    given = [i for i, a in enumerate(args) if a is not None]  # positional Nones: left out
+    if len(args) > len(spec_names) or tuple(plan.buffer_names[:len(given)]) != tuple(
+            spec_names[i] for i in given):
         return None  # operands passed by keyword: the checked path binds them
     checks = []
-    for a in args:
+    for i in given:
+        a = args[i]
         c = be.argument_checker(tuple(a.shape), a.dtype)
         if c is None or c(a) is None:  # e.g. host operands: every call takes execute.run
             return None
@@ -238,7 +244,7 @@ def _runner(plan: Plan, args: Sequence[Any], kwargs: Mapping[str, Any]
         for shape, dt in outputs)
     if big > _FAST_ALLOCATION_BYTES:
         return None  # memory is judged per call (execute.run's check_memory) for big calls
-    if len(plan.buffer_names) != len(args) + len(outputs) + len(ws):
+    if len(plan.buffer_names) != len(given) + len(outputs) + len(ws):
         return None
     empty, buffer_arg = be.empty, be.buffer_arg
     # tiny workspaces are made once per plan where the backend runs one call's launches as one
@@ -249,13 +255,13 @@ def _runner(plan: Plan, args: Sequence[Any], kwargs: Mapping[str, Any]
             and be.in_order_queue:
         fixed_ws = [buffer_arg(empty((n,), dt)) for n, dt in ws]
         ws = []
-    return _written_out(be, plan.programs, checks, kw_operands,
+    return _written_out(be, plan.programs, len(args), given, checks, kw_operands,
                         [be.output_maker(shape, dt) for shape, dt in outputs], out_checks,
                         fixed_ws, [be.output_maker((n,), dt) for n, dt in ws],
                         single=prob.outputs is None)
 
 
-def _written_out(be: KernelBackend, programs: Sequence[Any],
+def _written_out(be: KernelBackend, programs: Sequence[Any], nargs: int, given: Sequence[int],
                  checks: Sequence[Callable[[Any], Any]], kw_operands: Sequence[str],
                  make_outs: Sequence[Callable[[], tuple[Any, Any]]],
                  out_checks: Sequence[tuple[Callable[[Any], Any] | None, Any, tuple[int, ...]]],
@@ -268,18 +274,21 @@ def _written_out(be: KernelBackend, programs: Sequence[Any],
     launch. Every name in the source is an index; keyword operand names (identifiers of the
     spec) are quoted with repr. The source is the runner's ``__doc__``.
 
-    Per call, in order: each operand's check (None: ``_SLOW``); a keyword operand given
-    (``_SLOW``); the outputs, made (``make_out<j>``) or, for ``out=``, checked for this
-    plan's dtype and shape, the backend's writable check and no overlap with any handle
-    before it (handles compare equal exactly when they are one memory); the workspaces; then
+    Per call, in order: each operand's check (None: ``_SLOW``); a positional operand that
+    was None when planned and is not now (``_SLOW``); a keyword operand given (``_SLOW``);
+    the outputs, made (``make_out<j>``) or, for ``out=``, checked for this plan's dtype and
+    shape, the backend's writable check and no overlap with any handle before it (handles
+    compare equal exactly when they are one memory); the workspaces; then
     ``enqueue_steps`` with the handles in ``Plan.buffer_names`` order."""
     n, m = len(checks), len(make_outs)
     ins = [f"h{i}" for i in range(n)]
     src = ["def run(args, kwargs, out):"]
-    if n:
-        src.append(f"    {', '.join(f'x{i}' for i in range(n))}, = args")
-    for i in range(n):
-        src += [f"    h{i} = check{i}(x{i})", f"    if h{i} is None:", "        return SLOW"]
+    if nargs:
+        src.append(f"    {', '.join(f'x{i}' for i in range(nargs))}, = args")
+    for j, i in enumerate(given):
+        src += [f"    h{j} = check{j}(x{i})", f"    if h{j} is None:", "        return SLOW"]
+    for i in sorted(set(range(nargs)) - set(given)):
+        src += [f"    if x{i} is not None:", "        return SLOW"]
     for k in kw_operands:
         src += [f"    if kwargs[{k!r}] is not None:", "        return SLOW"]
     src.append("    if out is None:")
