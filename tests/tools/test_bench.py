@@ -394,18 +394,19 @@ def test_report_merges_two_machines(tmp_path: Path) -> None:
 
 def test_pp_is_over_devices_with_targets_on_one_device_side_by_side() -> None:
     # three targets on one CPU and one GPU target: two devices, not four platforms
+    cpu = "cpu:X @ h"
     recs = [dict(_rec("h", t, "matmul", "N=256", ours=o, peer=1.0), device_key=d)
-            for t, o, d in (("opencl:0", 2.0, "cpu @ h"), ("jax:0", 1.0, "cpu @ h"),
-                            ("jax:pallas_0", 1.0, "cpu @ h"), ("cuda:0", 4.0, "gpu:x @ h"))]
-    (c,) = report.portability(recs, ["cpu @ h", "gpu:x @ h"])
-    assert c.best["cpu @ h"] in ("jax:0", "jax:pallas_0") and c.efficiency["cpu @ h"] == 1.0
+            for t, o, d in (("opencl:0", 2.0, cpu), ("jax:0", 1.0, cpu),
+                            ("jax:pallas_0", 1.0, cpu), ("cuda:0", 4.0, "gpu:x @ h"))]
+    (c,) = report.portability(recs, [cpu, "gpu:x @ h"])
+    assert c.best[cpu] in ("jax:0", "jax:pallas_0") and c.efficiency[cpu] == 1.0
     assert c.pp_app is not None and c.pp_app.value == pytest.approx(2 / (1 + 4))
     assert c.pp_kind["opencl"].value == pytest.approx(0.5)  # one device has opencl
     assert c.kind_missing["opencl"] == ["gpu:x @ h"]
     assert report.target_kind("jax:pallas_0") == "jax:pallas"
     assert report.target_kind("opencl:1") == "opencl"
-    text = "\n".join(report.pp_tables(recs, ["cpu @ h", "gpu:x @ h"],
-                                      {"cpu @ h": "D1", "gpu:x @ h": "D2"}))
+    text = "\n".join(report.pp_tables(recs, [cpu, "gpu:x @ h"],
+                                      {cpu: "D1", "gpu:x @ h": "D2"}))
     assert "D1 opencl:0" in text and "D1 jax:0" in text and "D2 cuda:0" in text
 
 
@@ -426,14 +427,76 @@ def test_newer_measurement_of_a_platform_wins(tmp_path: Path) -> None:
     assert merged.notes
 
 
+XEON, EPYC = "Intel(R) Xeon(R) Processor", "AMD EPYC"
+
+
+def _cpu_result(model: str, created: str, ours: float, key: str = "cpu @ vm"
+                ) -> dict[str, Any]:
+    """A run on host 'vm' with CPU ``model``: jax:0 and opencl:0 on the CPU, one matmul each.
+    ``key`` is the device key stored in the file: ``cpu @ vm`` as files written before CPU keys
+    carried the model."""
+    res = _result("vm", "jax:0", created, [])
+    res["environment"]["cpu"] = {"model": model}
+    res["targets"] = {t: {"backend": t.split(":")[0], "platform": f"{t} · cpu @ vm",
+                          "device_key": key, "device": {"name": "cpu", "kind": "cpu"},
+                          "roofline": {"status": "ok", "copy_gbs": 10.0,
+                                       "fma_gflops": {"float32": 100.0}}}
+                      for t in ("jax:0", "opencl:0")}
+    res["cases"] = [dict(_rec("vm", t, "matmul", "N=256", ours=ours, peer=1.0), device_key=key,
+                         platform=f"{t} · cpu @ vm") for t in ("jax:0", "opencl:0")]
+    return res
+
+
+def test_cpu_device_key_carries_the_cpu_model() -> None:
+    assert metrics.device_key("cpu", "pthread-x", "vm", "  AMD   EPYC ") == "cpu:AMD EPYC @ vm"
+    assert metrics.device_key("cpu", "cpu", "vm", None) == "cpu @ vm"  # no model: as before
+    assert metrics.device_key("gpu", " H100 ", "vm", EPYC) == "gpu:H100 @ vm"
+    # an older file's bare key gets the result's model; a key with one is kept as stored
+    assert metrics.device_key_of({"device_key": "cpu @ vm"}, "vm", EPYC) == "cpu:AMD EPYC @ vm"
+    assert metrics.device_key_of({"device_key": "cpu:X @ vm"}, "vm", EPYC) == "cpu:X @ vm"
+    assert metrics.device_key_of({"device": {"kind": "cpu"}}, "vm", EPYC) == "cpu:AMD EPYC @ vm"
+    assert metrics.device_key_of({"device_key": "cpu @ vm"}, "vm") == "cpu @ vm"
+
+
+def test_two_cpus_behind_one_hostname_are_two_devices(tmp_path: Path) -> None:
+    """Our VMs are all called 'vm', one day a Xeon, another an EPYC: two devices in the report,
+    each with its own cases, not one 'cpu @ vm' where the newer file replaces the older's
+    numbers as if the same silicon had measured them again."""
+    xeon = _cpu_result(XEON, "2025-01-01T00:00:00", ours=1.0)
+    epyc = _cpu_result(EPYC, "2025-02-01T00:00:00", ours=4.0)
+    merged = report.merge([epyc, xeon])
+    assert merged.devices == [f"cpu:{XEON} @ vm", f"cpu:{EPYC} @ vm"]
+    assert [merged.device_label[d] for d in merged.devices] == [f"{XEON} @ vm", f"{EPYC} @ vm"]
+    assert len(merged.records) == 4 and not merged.notes  # nothing "measured again"
+    (c,) = report.portability(merged.records, merged.devices)
+    assert c.efficiency == {f"cpu:{XEON} @ vm": 1.0, f"cpu:{EPYC} @ vm": 0.25}
+    pa, pb = tmp_path / "xeon.json", tmp_path / "epyc.json"
+    pa.write_text(json.dumps(_cpu_result(XEON, "2025-01-01T00:00:00", ours=1.0)))
+    pb.write_text(json.dumps(_cpu_result(EPYC, "2025-02-01T00:00:00", ours=4.0)))
+    from portakern.tools.cli import main
+
+    assert main(["report", str(pa), str(pb), "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
+    devices = (tmp_path / "rep" / "REPORT.md").read_text().split("## Devices")[1].split("###")[0]
+    assert f"| D1 | {XEON} @ vm | jax:0, opencl:0 |" in devices
+    assert f"| D2 | {EPYC} @ vm | jax:0, opencl:0 |" in devices
+    # an older file and a newer one (its key carries the model) of one CPU: still one device
+    new_epyc = _cpu_result(EPYC, "2025-03-01T00:00:00", ours=2.0, key=f"cpu:{EPYC} @ vm")
+    merged = report.merge([xeon, epyc, new_epyc])
+    assert merged.devices == [f"cpu:{XEON} @ vm", f"cpu:{EPYC} @ vm"]
+    assert len(merged.records) == 4 and len(merged.notes) == 2  # the newer EPYC run wins
+    (c,) = report.portability(merged.records, merged.devices)
+    assert c.efficiency[f"cpu:{EPYC} @ vm"] == 0.5
+
+
 # --- issue 27: the implementations on the same silicon ------------------------------------------
+CPU_KEY = "cpu:X @ vm"  # the device key a run on host 'vm' with CPU model 'X' writes
 CPU_TARGETS = {"opencl:0": ("opencl", "pocl"), "opencl:1": ("opencl", "intel"),
                "jax:0": ("jax", None), "jax:pallas_0": ("jax", None)}
 
 
 def _impl_rec(target: str, op: str, label: str, ours: float | str,
               peers: dict[str, float | str], bound: float = 0.5) -> dict[str, Any]:
-    """One case on one target of the CPU 'cpu @ vm': ours a median or a status, each peer a
+    """One case on one target of the CPU ``CPU_KEY``: ours a median or a status, each peer a
     median or a status."""
     ours_m = ({"status": "ok", "median_s": ours, "q1_s": ours, "q3_s": ours, "reps": 5}
               if isinstance(ours, float) else {"status": ours, "reason": "why"})
@@ -441,7 +504,7 @@ def _impl_rec(target: str, op: str, label: str, ours: float | str,
               else {"status": v, "reason": f"{k} does not do this", "name": k})
           for k, v in peers.items()}
     return {"id": f"{op}/float32/{label}", "op": op, "dtype": "float32", "label": label,
-            "target": target, "platform": f"{target} · cpu @ vm", "device_key": "cpu @ vm",
+            "target": target, "platform": f"{target} · cpu @ vm", "device_key": CPU_KEY,
             "cost": {"flops": 1e9, "bytes": 1e8}, "ours": ours_m, "peers": pm,
             "supported": isinstance(ours, float), "roofline": {"bound_s": bound},
             "achieved": {"ours": {"pct_roofline": 100 * bound / ours}}
@@ -465,7 +528,7 @@ def _impl_result() -> dict[str, Any]:
         cases.append(_impl_rec(t, "softmax", "64x64", ours2, {"numpy": 4.0, "torch": 2.0}))
     res = _result("vm", "opencl:0", "2025-01-01T00:00:00", cases)
     res["targets"] = {
-        t: {"backend": b, "platform": f"{t} · cpu @ vm", "device_key": "cpu @ vm",
+        t: {"backend": b, "platform": f"{t} · cpu @ vm", "device_key": CPU_KEY,
             "device": {"name": "cpu", "kind": "cpu", "extra": {"alias": a} if a else {}},
             "roofline": {"status": "ok", "copy_gbs": 10.0, "fma_gflops": {"float32": 100.0}},
             "roofline_effective": {"status": "ok", "copy_gbs": 20.0,
@@ -519,8 +582,8 @@ def test_pp_over_the_implementations_on_one_cpu() -> None:
     res = _impl_result()
     metrics.attach_devices(res)
     recs = res["cases"]
-    assert impl.members(recs, "cpu @ vm") == ["opencl:pocl", "opencl:intel", "jax", "numpy"]
-    cases = {c.key: c for c in impl.silicon_cases(recs, ["cpu @ vm"])}
+    assert impl.members(recs, CPU_KEY) == ["opencl:pocl", "opencl:intel", "jax", "numpy"]
+    cases = {c.key: c for c in impl.silicon_cases(recs, [CPU_KEY])}
     mm = cases[("matmul", "float32", "N=256")]
     # fastest on the device: Intel's 1.0 (torch 1.6; numpy at its fastest, 2.0)
     assert mm.fastest == "opencl:intel" and mm.fastest_s == 1.0
@@ -543,7 +606,7 @@ def test_pp_over_the_implementations_on_one_cpu() -> None:
     assert sm.pp_app.unsupported == ("opencl:intel",)
     assert sm.pp_roof is not None and sm.pp_roof.value == 0.0
     # the table: one row per case, each implementation's time, efficiency and % roof, PP
-    text = "\n".join(report.silicon_tables(recs, ["cpu @ vm"], {"cpu @ vm": "D1"}))
+    text = "\n".join(report.silicon_tables(recs, [CPU_KEY], {CPU_KEY: "D1"}))
     assert ("| dtype | size | opencl:pocl (opencl:0) | opencl:intel (opencl:1) | "
             "jax (jax:0, jax:pallas_0) | numpy (peer) | torch (peer) | fastest | "
             "PP over H (vs fastest) | PP over H (roofline) |") in text
@@ -635,6 +698,36 @@ def test_interrupt_still_writes_results(tmp_path: Path, monkeypatch: pytest.Monk
     assert res["interrupted"] is True and not res["complete"]
     on_disk = json.loads(out.read_text())
     assert on_disk["interrupted"] is True and len(on_disk["cases"]) == 1
+
+
+def test_a_run_writes_the_cpu_model_into_the_device_key(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from portakern.backend.base import DeviceInfo
+    from portakern.tools.bench import environment, runner
+
+    class Stub:
+        name, label = "stub", "stub:0"
+        device = DeviceInfo(0, "stub cpu", "cpu")
+
+        def describe(self) -> str:
+            return "stub:0"
+
+    real = environment.collect
+
+    def collect() -> dict[str, Any]:
+        env = real()
+        env["hostname"], env["cpu"] = "vm", {**env["cpu"], "model": EPYC}
+        return env
+
+    monkeypatch.setattr(runner.environment, "collect", collect)
+    monkeypatch.setattr(runner, "open_targets", lambda wanted: ([Stub()], {}))
+    monkeypatch.setattr(runner, "run_case", lambda be, case, *a, **k: _rec(
+        "vm", "stub:0", case.op, case.label, ours=1.0, peer=1.0))
+    cfg = runner.BenchConfig(ops=("matmul",), out=str(tmp_path / "r.json"), probes=False,
+                             peers=("xla",), dispatch=False)
+    res = runner.run_bench(cfg)
+    assert res["targets"]["stub:0"]["device_key"] == f"cpu:{EPYC} @ vm"
+    assert res["cases"] and {r["device_key"] for r in res["cases"]} == {f"cpu:{EPYC} @ vm"}
 
 
 # --- probes under CUDA (compile only: no GPU needed) ---------------------------------------------

@@ -149,14 +149,42 @@ def achieved(measured_s: float, flops: float, nbytes: float) -> tuple[float, flo
 
 
 # --- which physical device a record ran on (report and plots) ------------------------------
-def device_key_of(target: Mapping[str, Any], host: str) -> str:
-    """The physical device a target runs on: all CPU targets of a host are one device."""
-    if target.get("device_key"):
-        return str(target["device_key"])
+def cpu_model_of(result: Mapping[str, Any]) -> str | None:
+    """The CPU model a result file was measured on (``environment.cpu.model``), if recorded."""
+    model = ((result.get("environment") or {}).get("cpu") or {}).get("model")
+    return str(model) if model else None
+
+
+def device_key(kind: str, name: str, host: str, cpu_model: str | None = None) -> str:
+    """The key of one physical device: ``cpu:<model> @ host``, ``gpu:<name> @ host``.
+
+    A CPU carries its model because a hostname does not name the silicon: the VMs we bench on
+    are all called ``vm``, one day an AVX-512 Xeon, another an AVX2 EPYC, and ``cpu @ vm`` put
+    both under one device, so the report compared and merged their numbers as one processor.
+    Without a model (an older file, no /proc/cpuinfo) the key is ``cpu @ host``, as before.
+    Whitespace in the model is collapsed so the key is the same however /proc/cpuinfo pads it.
+    """
+    if kind == "cpu":
+        model = " ".join(str(cpu_model or "").split())
+        return f"cpu:{model} @ {host}" if model else f"cpu @ {host}"
+    return f"{kind}:{name.strip()} @ {host}"
+
+
+def device_key_of(target: Mapping[str, Any], host: str, cpu_model: str | None = None) -> str:
+    """The physical device a target runs on: all CPU targets of one machine are one device.
+
+    ``cpu_model`` is the result's ``environment.cpu.model``. Files written before CPU keys
+    carried the model store ``cpu @ host``; such a key (or a missing one) is rebuilt from the
+    model, so an old Xeon file and an old EPYC file of the same host become two devices and
+    match the keys new files of those machines store.
+    """
+    stored = str(target.get("device_key") or "")
+    if stored.startswith("cpu @ "):
+        return device_key("cpu", "", stored[len("cpu @ "):], cpu_model)
+    if stored:
+        return stored
     dev = target.get("device") or {}
-    kind = dev.get("kind", "?")
-    return ("cpu" if kind == "cpu" else f"{kind}:{str(dev.get('name', '?')).strip()}") \
-        + f" @ {host}"
+    return device_key(str(dev.get("kind", "?")), str(dev.get("name", "?")), host, cpu_model)
 
 
 def implementation_of(label: str, target: Mapping[str, Any] | None) -> str:
@@ -183,14 +211,17 @@ def target_title(label: str, implementation: str | None) -> str:
 
 def attach_devices(result: Mapping[str, Any]) -> None:
     """Give every case record of a result its ``device_key`` and ``implementation`` (older
-    files lack them)."""
+    files lack them), and give a bare ``cpu @ host`` key the result's CPU model
+    (``device_key_of`` says why)."""
     host = (result.get("environment") or {}).get("hostname", "?")
+    model = cpu_model_of(result)
     targets = result.get("targets") or {}
-    keys = {lab: device_key_of(t, host) for lab, t in targets.items()}
+    keys = {lab: device_key_of(t, host, model) for lab, t in targets.items()}
     impls = {lab: implementation_of(lab, t) for lab, t in targets.items()}
     for rec in [*result.get("cases", []), *((result.get("hog") or {}).get("cases") or [])]:
-        if not rec.get("device_key"):
-            rec["device_key"] = keys.get(rec.get("target", ""), f"{rec.get('device')} @ {host}")
+        stored = rec.get("device_key") or keys.get(rec.get("target", ""))
+        rec["device_key"] = device_key_of(
+            {"device_key": stored or f"{rec.get('device')} @ {host}"}, host, model)
         if not rec.get("implementation"):
             lab = str(rec.get("target", "?"))
             rec["implementation"] = impls.get(lab) or implementation_of(lab, None)

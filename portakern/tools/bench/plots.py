@@ -390,20 +390,21 @@ def plot_fleet(records: Sequence[Mapping[str, Any]], devices: Sequence[str],
 
 def plot_run(result: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
     """Per-op panels (one per device) and the fleet chart of one run."""
-    from .metrics import attach_devices, device_key_of
+    from .metrics import attach_devices, cpu_model_of, device_key_of
 
     attach_devices(result)
     env = result.get("environment") or {}
     host = env.get("hostname", "?")
-    model = (env.get("cpu") or {}).get("model") or "CPU"
+    model = cpu_model_of(result)
     devices: list[str] = []
     names: dict[str, str] = {}
     for t in (result.get("targets") or {}).values():
-        d = device_key_of(t, host)
+        d = device_key_of(t, host, model)
         if d not in devices:
             devices.append(d)
             kind = (t.get("device") or {}).get("kind")
-            names[d] = f"{model if kind == 'cpu' else t['device'].get('name')} @ {host}"
+            names[d] = (f"{model or 'CPU'} @ {host}" if kind == "cpu"
+                        else f"{t['device'].get('name')} @ {host}")
     for r in result.get("cases", []):
         if r.get("device_key") and r["device_key"] not in devices:
             devices.append(r["device_key"])

@@ -1,9 +1,10 @@
 """Tables and the fleet report: one run's markdown, and `portakern report` over many runs.
 
 The unit of Pennycook's performance portability here is a **device**: one physical processor
-of one machine (``cpu @ host``, ``gpu:<name> @ host``). Several portakern targets can run on
-one device (opencl:0, jax:0 and jax:pallas_0 on one CPU); they are compared side by side on
-that device, never averaged as if they were platforms (docs/bench.md says why). For each case
+of one machine (``cpu:<model> @ host``, ``gpu:<name> @ host``: a hostname alone does not name
+the silicon, see metrics.device_key). Several portakern targets can run on one device
+(opencl:0, jax:0 and jax:pallas_0 on one CPU); they are compared side by side on that device,
+never averaged as if they were platforms (docs/bench.md says why). For each case
 (op, dtype, size, parameters):
 
 - efficiency of a target = best peer time / its time on that device (None: no peer ran);
@@ -44,7 +45,7 @@ from .implementations import (
     members,
     silicon_cases,
 )
-from .metrics import attach_devices, device_key_of, target_title
+from .metrics import attach_devices, cpu_model_of, device_key_of, target_title
 
 SCHEMA_PREFIX = "portakern-bench/"
 CONTENTION_NOTE = 0.10  # flag cases during which others used more than this share of the CPUs
@@ -443,8 +444,8 @@ def run_markdown(result: Mapping[str, Any]) -> str:
     lines += hog_lines(result.get("hog"))
     lines += dispatch_markdown(result.get("dispatch") or {})
     attach_devices(result)
-    host = env.get("hostname", "?")
-    devs = list(dict.fromkeys(device_key_of(t, host)
+    host, model = env.get("hostname", "?"), cpu_model_of(result)
+    devs = list(dict.fromkeys(device_key_of(t, host, model)
                               for t in result.get("targets", {}).values()))
     if devs:
         names = {d: f"D{i + 1}" for i, d in enumerate(devs)}
@@ -454,7 +455,7 @@ def run_markdown(result: Mapping[str, Any]) -> str:
                   "(docs/bench.md):"]
         lines += pp_tables(result.get("cases", []), devs, names)
         lines += silicon_lines(result.get("cases", []), devs, names, roofs=roof_lines(
-            result.get("targets") or {}, devs, names, host))
+            result.get("targets") or {}, devs, names, host, model))
     if result.get("wall_s") is not None:
         lines += ["", f"wall time {result['wall_s']:.1f} s"]
     return "\n".join(lines) + "\n"
@@ -560,12 +561,14 @@ def silicon_lines(records: Sequence[Mapping[str, Any]], devices: Sequence[str],
 
 
 def roof_lines(targets: Mapping[str, Mapping[str, Any]], devices: Sequence[str],
-               names: Mapping[str, str], host: str) -> dict[str, str]:
+               names: Mapping[str, str], host: str, cpu_model: str | None = None
+               ) -> dict[str, str]:
     """Per device: its one roof, and which target's probe or which measurement set each
     number ('roof 105 GB/s (from jax:0), float32 224 GFLOP/s (from opencl:1)')."""
     out: dict[str, str] = {}
     for d in devices:
-        on = [(lab, t) for lab, t in targets.items() if device_key_of(t, host) == d]
+        on = [(lab, t) for lab, t in targets.items()
+              if device_key_of(t, host, cpu_model) == d]
         if not on:
             continue
         roof = on[0][1].get("roofline_effective") or {}
@@ -717,7 +720,15 @@ class Merged:
     devices: list[str] = field(default_factory=list)  # physical devices, in file order
     device_short: dict[str, str] = field(default_factory=dict)  # device -> D1, D2, ...
     device_label: dict[str, str] = field(default_factory=dict)  # device -> model @ host
-    missing_peers: dict[str, str] = field(default_factory=dict)  # "host: peer" -> why
+    missing_peers: dict[str, str] = field(default_factory=dict)  # "host (model): peer" -> why
+
+
+def platform_on(platform: str, device: str) -> str:
+    """A platform's identity across files: its stored name with its device key. The name
+    alone ('jax:0 · cpu @ vm': jax calls every CPU 'cpu') is the same for two machines behind
+    one hostname, and the newer file's cases would replace the other machine's as if they
+    were measured again."""
+    return f"{platform} [{device}]"
 
 
 def merge(results: Sequence[Mapping[str, Any]]) -> Merged:
@@ -733,29 +744,31 @@ def merge(results: Sequence[Mapping[str, Any]]) -> Merged:
     for res in order:
         attach_devices(res)
         host = res.get("environment", {}).get("hostname", "?")
-        cpu_model = (res.get("environment", {}).get("cpu") or {}).get("model") or "CPU"
+        model = cpu_model_of(res)  # a hostname is not a machine: the CPU model tells them apart
         for t in res.get("targets", {}).values():
-            d = device_key_of(t, host)
+            d = device_key_of(t, host, model)
             if d not in devices:
                 devices.append(d)
             kind = (t.get("device") or {}).get("kind")
-            device_label[d] = (f"{cpu_model} @ {host}" if kind == "cpu" else
+            device_label[d] = (f"{model or 'CPU'} @ {host}" if kind == "cpu" else
                                f"{(t.get('device') or {}).get('name', '?')} @ {host}")
         for k, why in (res.get("peers_missing") or {}).items():
-            missing[f"{host}: {k}"] = why
+            missing[f"{host} ({model}): {k}" if model else f"{host}: {k}"] = why
         src = {"path": res.get("_path"), "host": res.get("environment", {}).get("hostname"),
-               "created": res.get("environment", {}).get("created"),
+               "cpu_model": model, "created": res.get("environment", {}).get("created"),
                "commit": (res.get("environment", {}).get("git") or {}).get("commit"),
                "suite": res.get("config", {}).get("suite"),
                "interrupted": res.get("interrupted", False), "targets": {}}
         for label, t in res.get("targets", {}).items():
             src["targets"][label] = t
-            if t["platform"] not in platforms:
-                platforms.append(t["platform"])
+            plat = platform_on(t["platform"], device_key_of(t, host, model))
+            if plat not in platforms:
+                platforms.append(plat)
         for rec in res.get("cases", []):
-            k = (rec["platform"], case_key(rec))
+            plat = platform_on(rec["platform"], rec["device_key"])
+            k = (plat, case_key(rec))
             if k in by_plat_case:
-                notes.append(f"{rec['id']} on {rec['platform']}: measured again in "
+                notes.append(f"{rec['id']} on {plat}: measured again in "
                              f"{src['path']}; the newer measurement is used")
             by_plat_case[k] = dict(rec)
         sources.append(src)
@@ -777,16 +790,18 @@ def report_markdown(m: Merged, plot_files: Sequence[str] = ()) -> str:
               "(PoCL and Intel's OpenCL on one CPU, jax, numpy) follow side by side, with PP "
               "over them. See docs/bench.md.", "", "## Devices", ""]
     latest: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {}
+    device_of_plat: dict[str, str] = {}
     files: dict[str, list[str]] = {}
     for src in m.sources:  # oldest first: the newest file's record of a platform wins
         for label, t in src["targets"].items():
-            latest[t["platform"]] = (src, t, label)
-            files.setdefault(t["platform"], []).append(
+            d = device_key_of(t, src["host"] or "?", src.get("cpu_model"))
+            plat = platform_on(t["platform"], d)
+            latest[plat], device_of_plat[plat] = (src, t, label), d
+            files.setdefault(plat, []).append(
                 Path(src["path"] or "?").name + (" (interrupted)" if src["interrupted"] else ""))
     drow = []
     for d in m.devices:
-        plats = [p for p in m.platforms if device_key_of(latest[p][1], latest[p][0]["host"]
-                                                          or "?") == d]
+        plats = [p for p in m.platforms if device_of_plat[p] == d]
         src, t, _ = latest[plats[-1]]
         roof = t.get("roofline_effective") or t.get("roofline", {})
         peaks = ", ".join(f"{k} {fmt_num(v, 4)}" for k, v in

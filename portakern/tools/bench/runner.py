@@ -180,7 +180,9 @@ def open_targets(wanted: tuple[str, ...] | None) -> tuple[list[Backend], dict[st
 
 
 def hardware_key(be: Backend) -> str:
-    """Targets with the same key run on the same hardware and share one roof."""
+    """Targets with the same key run on the same hardware and share one roof (within one run,
+    so one machine: every CPU target is the one CPU; ``metrics.device_key`` names it across
+    machines)."""
     return "cpu" if be.device.kind == "cpu" else f"{be.device.kind}:{be.device.name.strip()}"
 
 
@@ -1012,7 +1014,8 @@ def _run_bench(cfg: BenchConfig) -> dict[str, Any]:
             result["targets"][be.label]["roofline_probes"] = probed[hardware_key(be)].as_dict()
             result["targets"][be.label]["roofline_effective"] = probed[
                 hardware_key(be)].as_dict()
-            result["targets"][be.label]["device_key"] = f"{hardware_key(be)} @ {hostname}"
+            result["targets"][be.label]["device_key"] = metrics.device_key(
+                be.device.kind, be.device.name, hostname, metrics.cpu_model_of(result))
         if NUMPY_PEER in peers.wanted and any(b.device.kind == "cpu" for b in targets):
             env["numpy_peer"] = peers.numpy_info()
         write_json(result, cfg.out)
