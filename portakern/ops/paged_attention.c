@@ -29,10 +29,11 @@
  * transpose-and-add tree, then one max, a rescale only when the max rises, and one vector
  * exp per row and chunk. P.V is register-blocked too (PA_CG accumulator vectors of every row
  * stay in registers while the chunk's V rows stream past). The next chunk's K and V rows
- * are prefetched (PK_PREFETCH) a row at a time inside this chunk's loops: the pages sit
- * wherever the block table puts them, so the hardware prefetcher cannot see them coming;
- * without it the kernel pays the memory's latency once per page on top of its arithmetic,
- * and with a whole page requested at once it stalls until the miss buffers drain.
+ * are prefetched (PK_PREFETCH_ONCE: read once, kept out of the way) a row at a time inside
+ * this chunk's loops: the pages sit wherever the block table puts them, so the hardware
+ * prefetcher cannot see them coming; without it the kernel pays the memory's latency once
+ * per page on top of its arithmetic, and with a whole page requested at once it stalls
+ * until the miss buffers drain.
  * GPU schedule (scalar, any WG): tiles of WG keys; item j scores key j for every row into
  * local memory, items r < RB update row r's max and sum, then every item accumulates its
  * (row, d) outputs over the tile.
@@ -130,11 +131,14 @@ PK_DEVICE_FN float pa_hmax8(float8 v) { return pa_hmax4(fmax(v.lo, v.hi)); }
 #define PA_ESZ (PA_ST ? 2 : 4) /* bytes per stored element */
 /* every cache line of the `n` bytes at p (n a constant: unrolled) */
 #define PA_PREFETCH_ROW(p, n) do { \
-        _Pragma("unroll") for (int pf_ = 0; pf_ < (n); pf_ += 64) PK_PREFETCH((p) + pf_); \
-        PK_PREFETCH((p) + (n) - 1); \
+        _Pragma("unroll") for (int pf_ = 0; pf_ < (n); pf_ += 64) PK_PREFETCH_ONCE((p) + pf_); \
+        PK_PREFETCH_ONCE((p) + (n) - 1); \
     } while (0)
-/* accumulator vectors per row held in registers through P.V: RB * PA_CG <= 16 */
-#define PA_CG (16 / RB < NAV ? (16 / RB > 0 ? 16 / RB : 1) : NAV)
+/* accumulator vectors per row held in registers through P.V: RB * PA_CG <= ACC, the
+ * schedule's register budget (AVX-512's 32 zmm: 16; AVX2's 16 ymm: 8 — beside them each
+ * step holds a V vector and the rows' weights, and an accumulator that does not fit goes
+ * through the stack on every key) */
+#define PA_CG (ACC / RB < NAV ? (ACC / RB > 0 ? ACC / RB : 1) : NAV)
 #define NAV (DV / VEC)
 #endif
 

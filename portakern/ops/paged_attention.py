@@ -292,6 +292,7 @@ def _store_kind(dtype: str) -> int:
 
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
     return {"WG": cfg["WG"], "VEC": cfg["VEC"], "RB": rows_per_group(p, cfg),
+            "ACC": cfg["ACC"],
             "DQ": p.derived["D"], "DV": p.derived["Dv"], "PA_ST": _store_kind(p.dtype),
             "PA_SPLIT": int(splits(p, cfg)[0] > 1),
             "AT_MODS": int(attention.score_mods(p) != 0)}
@@ -523,11 +524,16 @@ SPEC = KernelSpec(
                       "path: WG = 1, OpenCL)"),
               Tunable("RB", (1, 2, 4, 8, 16), "query rows (heads sharing a kv head x Sq) "
                       "per work-group"),
+              Tunable("ACC", (4, 8, 16, 32), "P.V accumulator vectors held in registers "
+                      "(CPU path): each of the RB rows keeps ACC / RB of its DV / VEC"),
               Tunable("SPLIT", (0, 1, 2, 4, 8, 16, 32, 64, 128), "key splits: 0 from the "
                       "device's compute units, 1 unsplit, n forced")),
-    schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "SPLIT": 0},
-               # CPU: VEC 16 (zmm on AVX-512; 8 is 15-20% slower at 32768 tokens here)
-               "cpu": {"WG": 1, "VEC": 16, "RB": 8, "SPLIT": 0}},
+    schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "ACC": 16, "SPLIT": 0},
+               # CPU: VEC 16 (zmm on AVX-512; 8 is 15-20% slower at 32768 tokens there)
+               "cpu": {"WG": 1, "VEC": 16, "RB": 8, "ACC": 16, "SPLIT": 0},
+               # AVX2: ymm vectors, and 16 of them: P.V keeps 8 accumulators, not 16 (which
+               # spilled: 10-20% slower, docs/decode.md)
+               "cpu256": {"WG": 1, "VEC": 8, "RB": 8, "ACC": 8, "SPLIT": 0}},
     fit_device=fit_device,
     check_values=check_operand_values,
     unspecified_nonfinite=True,

@@ -38,11 +38,11 @@ def test_hip_differs_from_cuda_only_in_its_overrides() -> None:
 
 def test_hip_preamble_is_unchanged_by_inheriting() -> None:
     """Pinned from the rendering of the table (re-pinned when ids, sizes and the barrier became
-    builtins, and when PK_PREFETCH and PK_STREAM_STORE joined): the source hipcc compiles is
-    byte for byte the same."""
+    builtins, when PK_PREFETCH and PK_STREAM_STORE joined, and when PK_PREFETCH_ONCE did): the
+    source hipcc compiles is byte for byte the same."""
     text = _preamble("hip")
     assert hashlib.sha256(text.encode()).hexdigest() == (
-        "b5041f58415ffea760111a7fa464c522b25416c4ce5ad8bdbafc55295d727cf3")
+        "4e88bfc17974e6bbedacbf19d9a72e3ddfde462ca4f92517ecfdcdb94c35b030")
     # and the rendered lines differ from cuda's exactly where the overridden fields are used
     diff = {ln for ln in set(text.splitlines()) ^ set(_preamble("cuda").splitlines())
             if not ln.startswith(_HIP_BUILTIN_LINES)}
@@ -69,9 +69,14 @@ def test_prefetch_is_a_hint_only_where_the_compiler_has_it() -> None:
     assert opencl[guard + 1:guard + 7] == [
         "#if __has_builtin(__builtin_prefetch)", "#define PK_PREFETCH(p) __builtin_prefetch((p))",
         "#endif", "#endif", "#ifndef PK_PREFETCH", "#define PK_PREFETCH(p) ((void)0)"]
+    # the read-once hint: a non-temporal prefetch, off with PK_NO_PREFETCH, else PK_PREFETCH
+    once = opencl.index("#define PK_PREFETCH_ONCE(p) __builtin_prefetch((p), 0, 0)")
+    assert opencl[once - 2] == "#if defined(__has_builtin) && !defined(PK_NO_PREFETCH)"
+    assert "#define PK_PREFETCH_ONCE(p) PK_PREFETCH(p)" in opencl[once:once + 5]
     for dialect in ("cuda", "hip"):
         text = _preamble(dialect)
         assert "#define PK_PREFETCH(p) ((void)0)" in text and "prefetch(" not in text
+        assert "#define PK_PREFETCH_ONCE(p) PK_PREFETCH(p)" in text
     assert "-DPK_NO_PREFETCH" in OclgrindBackend.device_build_options
     assert "-DPK_NO_PREFETCH" not in OpenCLBackend.device_build_options
 

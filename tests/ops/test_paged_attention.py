@@ -133,6 +133,8 @@ def test_speculative_decode_with_every_modifier(target: str) -> None:
 
 # the CPU vector path unsplit and split, the GPU scalar path (WG 32: tiles of 32 keys) split
 SPLIT_CONFIGS = [{"SPLIT": 1}, {"SPLIT": 4}, {"SPLIT": 128},
+                 # the P.V register budget: one accumulator vector per row, and all of them
+                 {"VEC": 8, "ACC": 4, "SPLIT": 1}, {"VEC": 4, "ACC": 32, "SPLIT": 4},
                  {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 1},
                  {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 8}]
 
@@ -263,7 +265,7 @@ _UNCHECKED: list[object] = []
 
 
 @pytest.mark.simulator
-@pytest.mark.parametrize("schedule", ["gpu", "cpu"])
+@pytest.mark.parametrize("schedule", ["gpu", "cpu", "cpu256"])
 def test_simulator_split_and_unchecked_bad_tables(schedule: str) -> None:
     """Unsplit and split on Oclgrind; then tables no check has seen (a copy of the spec
     without check_values): ids past the pool, negative ids, lengths past the table.
