@@ -6,6 +6,12 @@
  * x * inv * w for the same elements (the row was just read, so it is usually still in cache).
  * The row's statistics are read from main memory once; only the output is written.
  *
+ * The CPU vector path sums the plain squares first, in four independent partials, with the
+ * largest |x| beside them, and repeats the row's sum with Blue's split (below) only when that
+ * exceeds `big`: half the vector operations per element, and four load-add chains where one
+ * waited on each load (64x4096 on a 2-core AVX2 EPYC: 230-320 -> 140-150 us on PoCL, 180-200
+ * -> 90-96 us on Intel's runtime; 4096x4096 12 -> 9 ms).
+ *
  * Overflow-safe in one pass, without a max pass or per-element division (Blue's two-accumulator
  * idea, as in LAPACK's nrm2): an element with |x| > big would overflow the compute type when
  * squared and summed, so it is multiplied by the exact power of two `down` first and summed
@@ -43,19 +49,49 @@ PK_KERNEL void rmsnorm(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL const PK
     typedef PK_CAT(PK_ACC_T, VEC) rvt;
     const PK_GLOBAL PK_T_T* xr = X + base;
     const int nv = n / VEC;
-    rvt vn = (rvt)(0), vb = (rvt)(0);
+    rvt vn = (rvt)(0), vb = (rvt)(0), mx = (rvt)(0);
+    /* First the plain sum of squares, in four independent partials (one loop-carried add
+     * each: the core overlaps four loads and adds where one chain waited on each load), with
+     * the largest |x| beside it. A NaN needs no care here (x * x carries it into the sum);
+     * only an item that saw an |x| > big (an inf too) sums again with Blue's split below. */
     for (int b0 = lid; b0 < nv; b0 += WG * RBLK) {
         const int bend = min(b0 + WG * RBLK, nv);
-        rvt pn = (rvt)(0), pb = (rvt)(0);
-        for (int bi = b0; bi < bend; bi += WG) {
-            const rvt x = PK_CAT(vload, VEC)(bi, xr);
-            const rvt t = x * (rvt)(down);
-            const PK_CAT(PK_CAT(PK_MASK_, PK_ACC_T), VEC) large = isgreater(fabs(x), (rvt)(big));
-            pn += select(x * x, (rvt)(0), large);
-            pb += select((rvt)(0), t * t, large);
+        rvt p0 = (rvt)(0), p1 = (rvt)(0), p2 = (rvt)(0), p3 = (rvt)(0);
+        int bi = b0;
+        for (; bi + 3 * WG < bend; bi += 4 * WG) {
+            const rvt x0 = PK_CAT(vload, VEC)(bi, xr);
+            const rvt x1 = PK_CAT(vload, VEC)(bi + WG, xr);
+            const rvt x2 = PK_CAT(vload, VEC)(bi + 2 * WG, xr);
+            const rvt x3 = PK_CAT(vload, VEC)(bi + 3 * WG, xr);
+            p0 += x0 * x0;
+            p1 += x1 * x1;
+            p2 += x2 * x2;
+            p3 += x3 * x3;
+            mx = fmax(mx, fmax(fmax(fabs(x0), fabs(x1)), fmax(fabs(x2), fabs(x3))));
         }
-        vn += pn;
-        vb += pb;
+        for (; bi < bend; bi += WG) {
+            const rvt x = PK_CAT(vload, VEC)(bi, xr);
+            p0 += x * x;
+            mx = fmax(mx, fabs(x));
+        }
+        vn += (p0 + p1) + (p2 + p3);
+    }
+    if (any(isgreater(mx, (rvt)(big)))) {
+        vn = (rvt)(0);
+        for (int b0 = lid; b0 < nv; b0 += WG * RBLK) {
+            const int bend = min(b0 + WG * RBLK, nv);
+            rvt pn = (rvt)(0), pb = (rvt)(0);
+            for (int bi = b0; bi < bend; bi += WG) {
+                const rvt x = PK_CAT(vload, VEC)(bi, xr);
+                const rvt t = x * (rvt)(down);
+                const PK_CAT(PK_CAT(PK_MASK_, PK_ACC_T), VEC) large =
+                    isgreater(fabs(x), (rvt)(big));
+                pn += select(x * x, (rvt)(0), large);
+                pb += select((rvt)(0), t * t, large);
+            }
+            vn += pn;
+            vb += pb;
+        }
     }
     {
         PK_ACC_T ln_[VEC], lb_[VEC];

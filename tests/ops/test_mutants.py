@@ -289,6 +289,11 @@ MUTANTS = {
         "rmsnorm", "q = tn / nf + eps;", "q = tn / (nf - (PK_ACC_T)1) + eps;", {}, "float32"),
     "rmsnorm: large elements squared unscaled (overflow)": (
         "rmsnorm", "const PK_ACC_T t = x * down;", "const PK_ACC_T t = x;", {}, "float32"),
+    "rmsnorm: the vector path never sums with Blue's split (overflow)": (
+        "rmsnorm", "    if (any(isgreater(mx, (rvt)(big)))) {", "    if (0) {", {"VEC": 8},
+        "float32"),
+    "rmsnorm: the vector path drops one of its four partial sums": (
+        "rmsnorm", "            p3 += x3 * x3;\n", "", {"VEC": 8}, "float32"),
     "rmsnorm: bf16 accumulation": (
         "rmsnorm", "pn += x * x;", "pn = pk_bf16_to_float(pk_float_to_bf16(pn + x * x));", {},
         "bfloat16"),
