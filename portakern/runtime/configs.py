@@ -103,14 +103,43 @@ def invalidate() -> None:
 
 
 # --- device fingerprints ------------------------------------------------------------------
+def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The host's CPU model and vector flags ('' where /proc/cpuinfo is unreadable): what a
+    CPU device's tuning depends on and its reported name may not say (jax names every CPU
+    'cpu'; one VM image runs on an AVX-512 Xeon one day and an AVX2 EPYC the next)."""
+    if cpuinfo in _HOST_CPU:
+        return _HOST_CPU[cpuinfo]
+    model, flags = "", set()
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = " ".join(value.split())
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    _HOST_CPU[cpuinfo] = f"{model} [{' '.join(simd)}]" if model else ""
+    return _HOST_CPU[cpuinfo]
+
+
+_HOST_CPU: dict[str, str] = {}
+
+
 def fingerprint_of(backend_name: str, info: DeviceInfo, versions: Mapping[str, str]
                    ) -> dict[str, Any]:
     """What a tuning result is only valid for: the device, its driver, the runtime/compiler
-    (the OpenCL platform too: PoCL and Intel's runtime on one CPU keep entries apart)."""
-    return {"backend": str(backend_name), "vendor": str(info.vendor), "name": str(info.name),
-            "implementation": str(info.extra.get("alias", "")),
-            "driver": str(info.driver), "platform": str(info.platform),
-            "versions": {str(k): str(v) for k, v in sorted(versions.items())}}
+    (the OpenCL platform too: PoCL and Intel's runtime on one CPU keep entries apart), and on
+    a CPU device the host's CPU model and vector flags (``host_cpu``)."""
+    fp = {"backend": str(backend_name), "vendor": str(info.vendor), "name": str(info.name),
+          "implementation": str(info.extra.get("alias", "")),
+          "driver": str(info.driver), "platform": str(info.platform),
+          "versions": {str(k): str(v) for k, v in sorted(versions.items())}}
+    if info.kind == "cpu":
+        fp["host_cpu"] = host_cpu()
+    return fp
 
 
 def fingerprint(backend: Backend) -> dict[str, Any]:

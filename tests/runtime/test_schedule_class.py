@@ -10,6 +10,8 @@ in the spec, never a branch in a kernel.
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -92,3 +94,31 @@ def test_host_flags_raise_a_cpu_devices_width(tmp_path) -> None:  # noqa: ANN001
     assert od.host_vector_bits(info("avx avx2 fma")) == 256
     assert od.host_vector_bits(info("sse4_2")) == 0
     assert od.host_vector_bits(str(tmp_path / "missing")) == 0
+
+
+def test_a_cpu_tuning_entry_is_kept_per_host_cpu(tmp_path: pathlib.Path) -> None:
+    """A CPU device's tuning fingerprint carries the host's CPU model and vector flags: jax
+    names every CPU 'cpu', so without them a config tuned on an AVX-512 Xeon would be read
+    on an AVX2 EPYC (one VM image, two machines). GPU fingerprints do not change."""
+    def cpuinfo(model: str, flags: str) -> str:
+        f = tmp_path / f"{model.split()[0]}.txt"
+        f.write_text(f"processor\t: 0\nmodel name\t: {model}\nflags\t\t: {flags}\n")
+        return str(f)
+
+    xeon = configs.host_cpu(cpuinfo("Intel(R) Xeon(R)  Processor", "fpu avx2 fma avx512f"))
+    epyc = configs.host_cpu(cpuinfo("AMD EPYC", "fpu avx avx2 fma"))
+    assert (xeon, epyc) == ("Intel(R) Xeon(R) Processor [avx2 fma avx512f]", "AMD EPYC [avx2 fma]")
+    assert configs.host_cpu(str(tmp_path / "missing")) == ""
+    cpu = DeviceInfo(index=0, name="cpu", kind="cpu", vendor="", driver="jaxlib", platform="cpu")
+    keys = set()
+    for host in (xeon, epyc):
+        configs._HOST_CPU["/proc/cpuinfo"] = host
+        try:
+            fp = configs.fingerprint_of("jax", cpu, {"jax": "1"})
+        finally:
+            configs._HOST_CPU.pop("/proc/cpuinfo")
+        assert fp["host_cpu"] == host
+        keys.add(configs.device_key(fp))
+    assert len(keys) == 2
+    gpu = DeviceInfo(index=0, name="H200", kind="gpu", vendor="NVIDIA", driver="5", platform="cuda")
+    assert "host_cpu" not in configs.fingerprint_of("cuda", gpu, {})
