@@ -109,7 +109,7 @@ def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
     'cpu'; one VM image runs on an AVX-512 Xeon one day and an AVX2 EPYC the next)."""
     if cpuinfo in _HOST_CPU:
         return _HOST_CPU[cpuinfo]
-    model, flags = "", set()
+    model, flags = "", set[str]()
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
             for line in fh:
