@@ -134,8 +134,8 @@ PK_DEVICE_FN float pa_hmax8(float8 v) { return pa_hmax4(fmax(v.lo, v.hi)); }
         _Pragma("unroll") for (int pf_ = 0; pf_ < (n); pf_ += 64) PK_PREFETCH_ONCE((p) + pf_); \
         PK_PREFETCH_ONCE((p) + (n) - 1); \
     } while (0)
-/* accumulator vectors per row held in registers through P.V: RB * PA_CG <= ACC, the
- * schedule's register budget (AVX-512's 32 zmm: 16; AVX2's 16 ymm: 8 — beside them each
+/* accumulator vectors per row held in registers through P.V: RB * PA_CG <= ACC (at least
+ * one per row: ACC < RB gives RB), the schedule's register budget (AVX-512's 32 zmm: 16; AVX2's 16 ymm: 8 — beside them each
  * step holds a V vector and the rows' weights, and an accumulator that does not fit goes
  * through the stack on every key) */
 #define PA_CG (ACC / RB < NAV ? (ACC / RB > 0 ? ACC / RB : 1) : NAV)

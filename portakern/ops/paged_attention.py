@@ -480,8 +480,10 @@ def paged_case(ch: Chooser, dtype: str) -> Case:
 
 # --- representative calls -----------------------------------------------------------------
 def example(dtype: str, *, B: int = 1, Hq: int = 32, Hkv: int = 8, Sq: int = 1, D: int = 128,
-            BS: int = 16, MB: int = 256) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A decode step (Llama-3-8B's heads, a 4096-token context in pages of 16)."""
+            BS: int = 16, MB: int = 32) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A decode step (Llama-3-8B's heads, a 512-token context in pages of 16). Kept small:
+    registering the op evaluates its float64 semantics on this example (a 4096-token one
+    cost every `import portakern` 0.5 s); the compile checks use longer ones (examples)."""
     nb = B * MB
     return ({"q": ArrayMeta((B, Hq, Sq, D), dtype), "k_cache": ArrayMeta((nb, Hkv, BS, D), dtype),
              "v_cache": ArrayMeta((nb, Hkv, BS, D), dtype),
@@ -492,9 +494,9 @@ def example(dtype: str, *, B: int = 1, Hq: int = 32, Hkv: int = 8, Sq: int = 1, 
 def examples(dtype: str) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     """Compile checks: the decode step unsplit (B8) and split (B1: few groups), a
     speculative-decode step with every modifier."""
-    ex1, _ = example(dtype, B=8)
+    ex1, _ = example(dtype, B=8, MB=256)
     ex2, _ = example(dtype, B=1, MB=2048)
-    ex3, _ = example(dtype, B=2, Sq=4)
+    ex3, _ = example(dtype, B=2, Sq=4, MB=256)
     ex3 = {**ex3, "bias": ArrayMeta((1, 32, 4, 256 * 16), dtype),
            "alibi_slopes": ArrayMeta((32,), "float32")}
     return [("decode B8", ex1, {}), ("decode B1 32k", ex2, {}),
@@ -525,7 +527,8 @@ SPEC = KernelSpec(
               Tunable("RB", (1, 2, 4, 8, 16), "query rows (heads sharing a kv head x Sq) "
                       "per work-group"),
               Tunable("ACC", (4, 8, 16, 32), "P.V accumulator vectors held in registers "
-                      "(CPU path): each of the RB rows keeps ACC / RB of its DV / VEC"),
+                      "(CPU path): each of the RB rows keeps ACC / RB (at least 1) of its "
+                      "DV / VEC"),
               Tunable("SPLIT", (0, 1, 2, 4, 8, 16, 32, 64, 128), "key splits: 0 from the "
                       "device's compute units, 1 unsplit, n forced")),
     schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "ACC": 16, "SPLIT": 0},

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import portakern as pk
+from portakern.core import codegen
 from portakern.core.sampling import Case, NumpyChooser
 from portakern.ops import get_op
 from portakern.runtime import selection
@@ -290,10 +291,10 @@ MUTANTS = {
     "rmsnorm: large elements squared unscaled (overflow)": (
         "rmsnorm", "const PK_ACC_T t = x * down;", "const PK_ACC_T t = x;", {}, "float32"),
     "rmsnorm: the vector path never sums with Blue's split (overflow)": (
-        "rmsnorm", "    if (any(isgreater(mx, (rvt)(big)))) {", "    if (0) {", {"VEC": 8},
-        "float32"),
+        "rmsnorm", "    if (any(isgreater(mx, (rvt)(big)))) {", "    if (0) {",
+        {"WG": 1, "VEC": 8}, "float32"),
     "rmsnorm: the vector path drops one of its four partial sums": (
-        "rmsnorm", "            p3 += x3 * x3;\n", "", {"VEC": 8}, "float32"),
+        "rmsnorm", "            p3 += x3 * x3;\n", "", {"WG": 1, "VEC": 8}, "float32"),
     "rmsnorm: bf16 accumulation": (
         "rmsnorm", "pn += x * x;", "pn = pk_bf16_to_float(pk_float_to_bf16(pn + x * x));", {},
         "bfloat16"),
@@ -327,8 +328,15 @@ def test_mutant_is_caught(name: str) -> None:
     if not targets:
         pytest.skip("no C-kernel backend available: " + str(
             {k: v["reason"] for k, v in pk.backends().items() if not v["available"]}))
+    ran = 0
     for target in targets:
-        base = selection.get(target).device_class
+        be = selection.get(target)
+        # a mutant of a vector path (VEC > 1) edits code a dialect without vector types
+        # (CUDA, HIP) compiles out: it can only be caught where the path exists
+        if int(cfg.get("VEC", 1)) > 1 and not codegen.DIALECTS[str(be.dialect)].vectors:
+            continue
+        ran += 1
+        base = be.device_class
         config = {**spec.schedules[base], **cfg}
         ch = NumpyChooser(np.random.default_rng(1234))
         caught = False
@@ -339,6 +347,8 @@ def test_mutant_is_caught(name: str) -> None:
                 caught = True
                 break
         assert caught, f"mutant {name!r} survived 40 cases on {target}"
+    if not ran:
+        pytest.skip(f"mutant {name!r} edits a vector path; no target here has vector types")
 
 
 # --- mutants only the simulator catches --------------------------------------------------------

@@ -133,7 +133,8 @@ def test_speculative_decode_with_every_modifier(target: str) -> None:
 
 # the CPU vector path unsplit and split, the GPU scalar path (WG 32: tiles of 32 keys) split
 SPLIT_CONFIGS = [{"SPLIT": 1}, {"SPLIT": 4}, {"SPLIT": 128},
-                 # the P.V register budget: one accumulator vector per row, and all of them
+                 # the P.V register budget: one accumulator vector per row (ACC < RB), and
+                 # four per row (two groups of D / VEC = 8)
                  {"VEC": 8, "ACC": 4, "SPLIT": 1}, {"VEC": 4, "ACC": 32, "SPLIT": 4},
                  {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 1},
                  {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 8}]
@@ -156,6 +157,20 @@ def test_split_forced_on_and_off(kernel_target: str, config: dict[str, int]) -> 
     ns, pps = pa.splits(prob, cfg)
     assert ns == (1 if cfg["SPLIT"] == 1 else min(cfg["SPLIT"], 40)) and ns * pps >= 40
     assert len(SPEC.launches(prob, cfg)) == (1 if ns == 1 else 2)
+
+
+@pytest.mark.parametrize("config", [{"VEC": 8, "ACC": 16}, {"VEC": 4, "ACC": 32}],
+                         ids=["VEC8-ACC16", "VEC4-ACC32"])
+def test_a_head_size_the_register_groups_do_not_divide(kernel_target: str,
+                                                      config: dict[str, int]) -> None:
+    """D = 40: 5 (VEC 8) or 10 (VEC 4) accumulator vectors per row, in groups of ACC / RB =
+    2 or 4 for the 8 rows of this kv head, so P.V's last group is partial and only its
+    `c0 + i < NAV` guards keep it inside the row."""
+    be = selection.get(kernel_target)
+    cfg = {**SPEC.schedules[be.device_class], "SPLIT": 1, **config}
+    a = paged(np.random.default_rng(5), B=2, Hq=4, Hkv=1, Sq=2, D=40, BS=16, MB=12,
+              lens=[150, 37])
+    check(a, {}, kernel_target, cfg)
 
 
 def test_automatic_split_follows_the_compute_units() -> None:
@@ -305,6 +320,9 @@ MUTANTS = {
     "the score tree pairs partial sums of two keys": (
         "PA_SH(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18",
         "PA_SH(a, b, 2, 0, 4, 6, 8, 10, 12, 14, 16, 18", {"SPLIT": 1, "VEC": 16}),
+    "P.V skips every other group of accumulator vectors": (
+        "for (int c0 = 0; c0 < NAV; c0 += PA_CG) {",
+        "for (int c0 = 0; c0 < NAV; c0 += 2 * PA_CG) {", {"SPLIT": 1, "VEC": 8, "ACC": 8}),
     "a chunk longer than the page keeps lanes past the page's last key": (
         "const pa_it live = lanes < (pa_it)(nk);", "const pa_it live = lanes < (pa_it)(VEC);",
         {"SPLIT": 1, "VEC": 16}),

@@ -113,6 +113,26 @@ def test_extreme_magnitudes_match_the_oracle(target: str, dtype: str,
     assert v.ok, f"{target} {dtype}: ratio {v.worst_ratio:.3g} {v.where}"
 
 
+@pytest.mark.parametrize("wg,n", [(1, 24), (4, 1000), (4, 8192)])
+@pytest.mark.parametrize("odd", ["large", "inf", "nan"])
+def test_one_extreme_element_in_a_normal_row(kernel_target: str, wg: int, n: int,
+                                             odd: str) -> None:
+    """The vector path sums plain squares and redoes an item's sum with Blue's split only
+    when it saw |x| > big: one 1e30 (or inf, or NaN) in a row of normal values, in the
+    vector tail (n = 24, VEC 8: three vectors, all tail), or in one item of four beside
+    items that stay on the fast path (WG 4) — the rows must match the oracle (a NaN or inf
+    makes its row NaN)."""
+    spec = get_op("rmsnorm")
+    rng = np.random.default_rng(n + wg)
+    x = rng.standard_normal((3, n))
+    x[1, 17 % n] = {"large": 1e30, "inf": np.inf, "nan": np.nan}[odd]
+    x[2, n - 3] = -1e30
+    x32, w = x.astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    got = pk.rmsnorm(x32, w, backend=kernel_target, config={"WG": wg, "VEC": 8})
+    v = compare(spec, Case({"x": x32, "weight": w}, {"eps": 1e-6}), got)
+    assert v.ok, f"WG={wg} n={n} {odd}: ratio {v.worst_ratio:.3g} {v.where}"
+
+
 @pytest.mark.parametrize("wg", [1, 2, 64, 1024])
 def test_every_work_group_size(kernel_target: str, wg: int) -> None:
     spec = get_op("rmsnorm")
