@@ -1186,10 +1186,19 @@ def test_no_efficiency_exceeds_the_roof_by_construction() -> None:
     for r in recs:
         derive(r, roof)
         for k, a in r["achieved"].items():
-            assert a["pct_roofline"] <= 100.0 * (1 + 1e-12), (r["id"], k, a)
+            assert a["pct_roofline"] <= 100.0, (r["id"], k, a)
     assert any(a["pct_roofline"] == pytest.approx(100.0)
                for r in recs for a in r["achieved"].values())  # the one that set the roof
     assert roof.sources["fma_gflops.float32"].startswith("measured: ")
+    # the case that put one run's % roof at 100.0000001: torch's N=512 matmul set the roof,
+    # and flops / t / 1e9 rounded down gave it a roofline time one ulp above its own
+    n512 = {"id": "matmul/float32/N=512", "target": "opencl:0", "dtype": "float32",
+            "compute_dtype": "float32", "cost": {"flops": 268435456.0, "bytes": 3145728.0},
+            "ours": {"status": "ok", "median_s": 0.00396},
+            "peers": {"torch": {"status": "ok", "median_s": 0.003158793999318732}}}
+    derive(n512, lift(weak, n512))
+    assert n512["roofline"]["bound_s"] <= 0.003158793999318732
+    assert n512["achieved"]["torch"]["pct_roofline"] <= 100.0
     # an fp16 rate lifts the fp16 roof only (tensor cores must not raise the fp32 one)
     half = dict(recs[0], dtype="float16", id="h",
                 ours={"status": "ok", "median_s": 1e-9})

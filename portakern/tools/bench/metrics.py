@@ -138,7 +138,8 @@ def pct_of_roofline(measured_s: float, flops: float, nbytes: float, peak_gflops:
     underestimate the device, e.g. a peer using tensor cores or the cache)."""
     if measured_s <= 0:
         raise ValueError(f"measured time must be positive; got {measured_s}.")
-    return 100.0 * roofline_time(flops, nbytes, peak_gflops, bw_gbs) / measured_s
+    # the ratio first: roofline time <= measured time then gives at most 100 exactly
+    return 100.0 * (roofline_time(flops, nbytes, peak_gflops, bw_gbs) / measured_s)
 
 
 def achieved(measured_s: float, flops: float, nbytes: float) -> tuple[float, float]:
