@@ -743,7 +743,7 @@ def merge(results: Sequence[Mapping[str, Any]]) -> Merged:
     missing: dict[str, str] = {}
     for res in order:
         attach_devices(res)
-        host = res.get("environment", {}).get("hostname", "?")
+        host = res.get("environment", {}).get("hostname") or "?"
         model = cpu_model_of(res)  # a hostname is not a machine: the CPU model tells them apart
         for t in res.get("targets", {}).values():
             d = device_key_of(t, host, model)
