@@ -476,8 +476,11 @@ class OclgrindBackend(OpenCLBackend):
     # always the spec's schedules, never a tuned entry: what the sweep and trace claim to check
     uses_tuned_configs = False
     # Oclgrind 21.10 stops on llvm.prefetch ("Undefined external function"); a prefetch hint
-    # changes no value, so the simulated kernel is the same kernel without it
-    device_build_options = ("-DPK_NO_PREFETCH",)
+    # changes no value, so the simulated kernel is the same kernel without it. PK_LOOKUP8
+    # is shuffle() either way (no AVX2 here); PK_NO_LOOKUP8 also tells vexp.c to look up
+    # 16 lanes with one shuffle, not two halves: Oclgrind 21.10 reports every lane of a
+    # 16-lane vector's .hi uninitialised
+    device_build_options = ("-DPK_NO_PREFETCH", "-DPK_NO_LOOKUP8")
 
     @classmethod
     def probe(cls) -> Availability:

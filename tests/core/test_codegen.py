@@ -96,3 +96,25 @@ def test_stream_store_bypasses_caches_only_where_the_compiler_can() -> None:
         text = _preamble(dialect)
         assert "#define PK_STREAM_STORE(v, p) (*(p) = (v))" in text
         assert "nontemporal" not in text
+
+
+def test_lookup8_is_one_permute_only_where_the_target_has_avx2() -> None:
+    """PK_LOOKUP8(t, i): in OpenCL, clang's AVX2 permute where the compiler has it and the
+    target has AVX2 (guarded by both, and off with PK_NO_LOOKUP8), else OpenCL's shuffle(),
+    which means the same; dialects without vectors do not define it (no kernel of theirs
+    reaches the vector paths that use it)."""
+    opencl = _preamble("opencl").splitlines()
+    guard = opencl.index(
+        "#if defined(__has_builtin) && !defined(PK_NO_LOOKUP8) && defined(__AVX2__)")
+    assert opencl[guard + 1:guard + 7] == [
+        "#if __has_builtin(__builtin_ia32_permvarsf256)",
+        "#define PK_LOOKUP8(t, i) __builtin_ia32_permvarsf256((t), (i))",
+        "#endif", "#endif", "#ifndef PK_LOOKUP8",
+        "#define PK_LOOKUP8(t, i) shuffle(t, as_uint8(i))"]
+    for dialect in ("cuda", "hip"):
+        assert "PK_LOOKUP8" not in _preamble(dialect)
+    from portakern.backend.oclgrind import OclgrindBackend
+    from portakern.backend.opencl import OpenCLBackend
+
+    assert "-DPK_NO_LOOKUP8" in OclgrindBackend.device_build_options  # (vexp.c: no .hi)
+    assert "-DPK_NO_LOOKUP8" not in OpenCLBackend.device_build_options
