@@ -52,6 +52,20 @@ def require_tool(found: object, what: str, fix: str) -> None:
     pytest.skip(msg)
 
 
+
+def require_simulator() -> None:
+    """For a test on opencl:oclgrind: a failure under CI (scripts/setup.sh installs pyopencl
+    and Oclgrind), else a skip (require_tool)."""
+    try:
+        from portakern.backend.oclgrind import simulator_info
+    except Exception as exc:  # pyopencl missing
+        require_tool(None, f"opencl:oclgrind needs pyopencl ({exc})",
+                     "pip install 'portakern[opencl]'")
+    require_tool(simulator_info() is not None,
+                 "opencl:oclgrind: the Oclgrind simulator is not installed",
+                 "apt-get install oclgrind (scripts/setup.sh installs it)")
+
+
 SKIPPED: dict[str, str] = {}
 
 

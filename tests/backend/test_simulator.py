@@ -30,23 +30,11 @@ from portakern.runtime.verify import compare_arrays
 from portakern.tools.cases import case_generator
 from portakern.tools.conformance import SimulatorChooser
 
-from conftest import require_tool
+from conftest import require_simulator
 
 pytestmark = pytest.mark.simulator
 SIM = "opencl:oclgrind"
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-
-
-def _simulator_or_skip() -> None:
-    """A failure under CI (scripts/setup.sh installs pyopencl and Oclgrind), else a skip."""
-    try:
-        from portakern.backend.oclgrind import simulator_info
-    except Exception as exc:  # pyopencl missing
-        require_tool(None, f"opencl:oclgrind needs pyopencl ({exc})",
-                     "pip install 'portakern[opencl]'")
-    require_tool(simulator_info() is not None,
-                 "opencl:oclgrind: the Oclgrind simulator is not installed",
-                 "apt-get install oclgrind (scripts/setup.sh installs it)")
 
 
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
@@ -136,7 +124,7 @@ SWEEP = [(op, sched, dt) for op in COLLECTED
 @pytest.mark.parametrize("op,schedule,dtype", SWEEP,
                          ids=[f"{op}-{s}-{d}" for op, s, d in SWEEP])
 def test_schedules_clean_on_simulator(op: str, schedule: str, dtype: str) -> None:
-    _simulator_or_skip()
+    require_simulator()
     spec = get_op(op)
     if not spec.source:
         pytest.skip(f"{op} has no C kernel")
@@ -155,7 +143,7 @@ SIZE_CHOSEN = [("matmul", {"PACK_B": 1}), ("softmax", {"STREAM": 1}),
                          ids=[f"{op}-{'-'.join(f'{k}{v}' for k, v in o.items())}"
                               for op, o in SIZE_CHOSEN])
 def test_size_chosen_paths_clean_on_simulator(op: str, overlay: dict, dtype: str) -> None:
-    _simulator_or_skip()
+    require_simulator()
     run(op, get_op(op).config("cpu", overlay), dtype)
 
 
@@ -179,7 +167,7 @@ def test_every_registered_op_clean_on_simulator(registered_user_op: pk.KernelSpe
     collected: every op with a C kernel that the parametrized sweep above did not meet (ops
     registered later: user ops, plugins) runs its own simulator-sized cases, float32 and
     float16, on both schedules. The user op of the fixture must be among them."""
-    _simulator_or_skip()
+    require_simulator()
     late = [name for name in list(OPS)
             if name not in COLLECTED and get_op(name).source]
     assert registered_user_op.name in late, late
@@ -196,7 +184,7 @@ ALT = [(op, cfg) for op, cfgs in ALTERNATIVE_CONFIGS.items() for cfg in cfgs]
 def test_alternative_configs_clean_on_simulator(op: str, overlay: dict) -> None:
     """test_ops.py's non-default paths in float32, overlaid on the "cpu" schedule as that
     test overlays them on PoCL (a CPU device): the same kernels, now run GPU-style."""
-    _simulator_or_skip()
+    require_simulator()
     spec = get_op(op)
     run(op, {**spec.config("cpu"), **overlay}, "float32")
 
@@ -251,7 +239,7 @@ def _shift_spec(name: str, barrier: int, past_end: int) -> pk.KernelSpec:
 @pytest.mark.parametrize("barrier,past_end,kind,line_has", [
     (0, 0, "race", "t["), (1, 1, "out-of-bounds", "PK_LOAD_T(X, n)")])
 def test_user_kernel_fault_raises(barrier: int, past_end: int, kind: str, line_has: str) -> None:
-    _simulator_or_skip()
+    require_simulator()
     spec = _shift_spec(f"shift_{kind.replace('-', '_')}", barrier, past_end)
     x = np.arange(40, dtype=np.float32)
     with pytest.raises(pk.KernelFaultError) as info:
@@ -270,7 +258,7 @@ def test_user_kernel_fault_raises(barrier: int, past_end: int, kind: str, line_h
 
 
 def test_simulator_is_never_automatic() -> None:
-    _simulator_or_skip()
+    require_simulator()
     from portakern.backend import registry
     from portakern.runtime import selection
 

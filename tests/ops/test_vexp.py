@@ -20,7 +20,7 @@ from portakern.ops.attention import STAT_EXP_ERR
 from portakern.ops.softmax import EXP_ERR
 from portakern.runtime import selection
 
-from conftest import KERNEL_TARGETS, require_tool
+from conftest import KERNEL_TARGETS, require_simulator
 
 PROBE = """
 PK_KERNEL void vexp_probe(PK_GLOBAL const float* PK_RESTRICT X, PK_GLOBAL float* PK_RESTRICT Y)
@@ -100,13 +100,6 @@ def test_vexp_within_the_assumed_bound(opencl_target: str, vec: int) -> None:
 @pytest.mark.parametrize("vec", [8, 16])
 def test_vexp_within_the_assumed_bound_on_the_simulator(vec: int) -> None:
     """Oclgrind has no AVX2: PK_LOOKUP8 takes its shuffle() form there."""
-    try:
-        from portakern.backend.oclgrind import simulator_info
-    except Exception as exc:  # pyopencl missing
-        require_tool(None, f"opencl:oclgrind needs pyopencl ({exc})",
-                     "pip install 'portakern[opencl]'")
-    require_tool(simulator_info() is not None,
-                 "opencl:oclgrind: the Oclgrind simulator is not installed",
-                 "apt-get install oclgrind (scripts/setup.sh installs it)")
+    require_simulator()
     x = arguments(2_000)
     check(x, run_probe("opencl:oclgrind", x, vec))
