@@ -106,23 +106,32 @@ def invalidate() -> None:
 def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The host's CPU model and vector flags ('' where /proc/cpuinfo is unreadable): what a
     CPU device's tuning depends on and its reported name may not say (jax names every CPU
-    'cpu'; one VM image runs on an AVX-512 Xeon one day and an AVX2 EPYC the next)."""
+    'cpu'; one VM image runs on an AVX-512 Xeon one day and an AVX2 EPYC the next). An Arm
+    Linux host has no 'model name' line: its core is named by implementer and part
+    ('arm 0x41:0xd0c', a Neoverse N1) and its vector features come from 'Features'."""
     if cpuinfo in _HOST_CPU:
         return _HOST_CPU[cpuinfo]
-    model, flags = "", set[str]()
+    fields: dict[str, str] = {}
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name" and not model:
-                    model = " ".join(value.split())
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
+                fields.setdefault(key.strip(), " ".join(value.split()))
     except OSError:
         pass
-    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    model = fields.get("model name", "")
+    if not model and "CPU implementer" in fields and "CPU part" in fields:
+        model = f"arm {fields['CPU implementer']}:{fields['CPU part']}"
+    flags, features = set(fields.get("flags", "").split()), set(fields.get("Features", "").split())
+    simd = ([f for f in _X86_SIMD if f in flags]  # (x86's 'sme' is AMD's memory encryption)
+            + [f for f in _ARM_SIMD if f in features])
     _HOST_CPU[cpuinfo] = f"{model} [{' '.join(simd)}]" if model else ""
     return _HOST_CPU[cpuinfo]
+
+
+# the vector features that change which CPU schedule wins: x86's 'flags', Arm's 'Features'
+_X86_SIMD = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+_ARM_SIMD = ("asimd", "sve", "sve2", "sme", "bf16", "i8mm")
 
 
 _HOST_CPU: dict[str, str] = {}

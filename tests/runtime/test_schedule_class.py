@@ -106,9 +106,17 @@ def test_a_cpu_tuning_entry_is_kept_per_host_cpu(tmp_path: pathlib.Path) -> None
         return str(f)
 
     xeon = configs.host_cpu(cpuinfo("Intel(R) Xeon(R)  Processor", "fpu avx2 fma avx512f"))
-    epyc = configs.host_cpu(cpuinfo("AMD EPYC", "fpu avx avx2 fma"))
+    epyc = configs.host_cpu(cpuinfo("AMD EPYC", "fpu avx avx2 fma sme"))  # (x86 sme: no SIMD)
     assert (xeon, epyc) == ("Intel(R) Xeon(R) Processor [avx2 fma avx512f]", "AMD EPYC [avx2 fma]")
     assert configs.host_cpu(str(tmp_path / "missing")) == ""
+    # an Arm host (no 'model name'): implementer and part name the core, Features the vectors
+    n1, v1 = tmp_path / "n1.txt", tmp_path / "v1.txt"
+    n1.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm crc32\n"
+                  "CPU implementer\t: 0x41\nCPU architecture: 8\nCPU part\t: 0xd0c\n")
+    v1.write_text("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+                  "CPU implementer\t: 0x41\nCPU part\t: 0xd40\n")
+    assert configs.host_cpu(str(n1)) == "arm 0x41:0xd0c [asimd]"
+    assert configs.host_cpu(str(v1)) == "arm 0x41:0xd40 [asimd sve bf16 i8mm]"
     cpu = DeviceInfo(index=0, name="cpu", kind="cpu", vendor="", driver="jaxlib", platform="cpu")
     keys = set()
     for host in (xeon, epyc):
