@@ -11,9 +11,10 @@
  * bound by its multiply-add chain on a CPU. Error at most 2.7u over 2.5e7 arguments in
  * [-87.33, 0] (u = 2^-24; tests/ops/test_vexp.py holds every device to the 8u the softmax and
  * attention tolerances assume); exp(0) is exactly 1.
- * Arguments below -87.33 (about ln(FLT_MIN)) give 0: the true value is under the smallest
- * normal float, which the tolerance floor covers; -inf gives 0; NaN gives NaN. Valid for
- * x <= 88. Other accumulators (double) and dialects without vectors use the builtin.
+ * Arguments below -87.33 give 0 (ln(FLT_MIN) is -87.3365: the true value is at most
+ * 1.0007 FLT_MIN there, which the tolerance floor covers); -inf gives 0; NaN gives NaN. Valid
+ * for x <= 88 (the kernels pass x - max <= 0; attention's backward s - lse, slightly above 0
+ * at worst). Other accumulators (double) and dialects without vectors use the builtin.
  * k is rounded by adding 1.5 * 2^23 (the sum's low mantissa bits are then k itself, ties to
  * even): PoCL's vector rint is a dozen instructions of emulation, this is one add. */
 #if VEC > 1 && PK_HAS_VECTOR && PK_ACC_IS_FLOAT_T

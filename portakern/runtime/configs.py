@@ -116,7 +116,8 @@ def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
         with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), " ".join(value.split()))
+                if value.strip():  # the first non-empty value of each field
+                    fields.setdefault(key.strip(), " ".join(value.split()))
     except OSError:
         pass
     model = fields.get("model name", "")

@@ -117,6 +117,9 @@ def test_a_cpu_tuning_entry_is_kept_per_host_cpu(tmp_path: pathlib.Path) -> None
                   "CPU implementer\t: 0x41\nCPU part\t: 0xd40\n")
     assert configs.host_cpu(str(n1)) == "arm 0x41:0xd0c [asimd]"
     assert configs.host_cpu(str(v1)) == "arm 0x41:0xd40 [asimd sve bf16 i8mm]"
+    blank = tmp_path / "blank.txt"  # an empty first value: the next non-empty one counts
+    blank.write_text("model name\t:\nflags\t:\nmodel name\t: AMD EPYC\nflags\t: avx2\n")
+    assert configs.host_cpu(str(blank)) == "AMD EPYC [avx2]"
     cpu = DeviceInfo(index=0, name="cpu", kind="cpu", vendor="", driver="jaxlib", platform="cpu")
     keys = set()
     for host in (xeon, epyc):
