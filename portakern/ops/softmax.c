@@ -17,6 +17,9 @@
  * partial before adding it to its running sum, so a 10^6-element row's sum errs by ~1e-7
  * relative, not ~1e-5 (one running sum over 62,500 terms per lane).
  */
+/* a > b ? a : b lane by lane: one x86 maxps, where fmax's NaN rule costs a compare and a
+ * blend more. A NaN x is dropped here as fmax drops it (it turns the row NaN in pass 2). */
+#define SM_VMAX(m, x) sm_vmax((m), (x))
 #define SBLK 64 /* terms (vectors on the vector paths) per block partial sum */
 #define SM_SCR_BYTES 16384 /* STREAM=1: the row of e kept in local memory, at most */
 #if STREAM == 1
@@ -25,6 +28,12 @@
 #else
 #define SM_KEEP(i, v) ((void)0)
 #define SM_KEPT(i) ((PK_CAT(PK_ACC_T, VEC))(0))
+#endif
+#if VEC > 1 && PK_HAS_VECTOR
+PK_DEVICE_FN PK_CAT(PK_ACC_T, VEC) sm_vmax(PK_CAT(PK_ACC_T, VEC) m, PK_CAT(PK_ACC_T, VEC) x)
+{
+    return select(m, x, x > m);
+}
 #endif
 PK_DEVICE_FN void pk_merge(PK_ACC_T* m, PK_ACC_T* s, PK_ACC_T m2, PK_ACC_T s2)
 {
@@ -81,12 +90,12 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
             svt mv = (svt)(-PK_INFINITY), mv1 = mv, mv2 = mv, mv3 = mv;
             int bi = lid;
             for (; bi + 3 * WG < nv; bi += 4 * WG) {
-                mv = fmax(mv, PK_CAT(vload, VEC)(bi, xr));
-                mv1 = fmax(mv1, PK_CAT(vload, VEC)(bi + WG, xr));
-                mv2 = fmax(mv2, PK_CAT(vload, VEC)(bi + 2 * WG, xr));
-                mv3 = fmax(mv3, PK_CAT(vload, VEC)(bi + 3 * WG, xr));
+                mv = SM_VMAX(mv, PK_CAT(vload, VEC)(bi, xr));
+                mv1 = SM_VMAX(mv1, PK_CAT(vload, VEC)(bi + WG, xr));
+                mv2 = SM_VMAX(mv2, PK_CAT(vload, VEC)(bi + 2 * WG, xr));
+                mv3 = SM_VMAX(mv3, PK_CAT(vload, VEC)(bi + 3 * WG, xr));
             }
-            for (; bi < nv; bi += WG) mv = fmax(mv, PK_CAT(vload, VEC)(bi, xr));
+            for (; bi < nv; bi += WG) mv = SM_VMAX(mv, PK_CAT(vload, VEC)(bi, xr));
             mv = fmax(fmax(mv, mv1), fmax(mv2, mv3));
             const PK_ACC_T* ml = (const PK_ACC_T*)&mv;
             for (int l = 0; l < VEC; ++l) mx = fmax(mx, ml[l]);
