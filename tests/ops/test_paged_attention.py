@@ -23,7 +23,7 @@ from portakern.ops import paged_attention as pa
 from portakern.runtime import selection
 
 from _oracle import compare_case
-from conftest import KERNEL_TARGETS, require_tool
+from conftest import KERNEL_TARGETS, require_simulator
 
 SPEC = get_op("paged_attention")
 SIM = "opencl:oclgrind"
@@ -267,13 +267,7 @@ def test_jax_jit_composes() -> None:
 
 # --- Oclgrind: the kernels as a GPU runs them, every access checked -------------------------
 def _simulator() -> None:
-    try:
-        from portakern.backend.oclgrind import simulator_info
-    except Exception as exc:  # pyopencl missing
-        require_tool(None, f"opencl:oclgrind needs pyopencl ({exc})",
-                     "pip install 'portakern[opencl]'")
-    require_tool(simulator_info() is not None, "opencl:oclgrind: Oclgrind is not installed",
-                 "apt-get install oclgrind (scripts/setup.sh installs it)")
+    require_simulator()
 
 
 _UNCHECKED: list[object] = []

@@ -16,7 +16,7 @@ from portakern.ops import get_op
 from portakern.tools.cases import compare
 
 from _oracle import supports
-from conftest import require_tool
+from conftest import require_simulator
 
 ALL = ["float32", "float16", "bfloat16", "float64"]
 SIZES = st.sampled_from([1, 2, 3, 16, 17, 255, 257, 1000])
@@ -139,13 +139,7 @@ def test_the_vector_path_on_the_simulator() -> None:
     """The CPU vector path (WG 1 and 4, VEC 8) on Oclgrind, which raises on any out-of-bounds
     or uninitialised read: rows of 24, 40 and 41 (a scalar tail), each with a 1e30, an inf or
     a NaN beside normal values, and a row of 2 (no vector at all)."""
-    try:
-        from portakern.backend.oclgrind import simulator_info
-    except Exception as exc:  # pyopencl missing
-        require_tool(None, f"opencl:oclgrind needs pyopencl ({exc})",
-                     "pip install 'portakern[opencl]'")
-    require_tool(simulator_info() is not None, "opencl:oclgrind: Oclgrind is not installed",
-                 "apt-get install oclgrind (scripts/setup.sh installs it)")
+    require_simulator()
     spec, rng = get_op("rmsnorm"), np.random.default_rng(7)
     for wg, n in ((1, 24), (4, 40), (1, 41), (2, 2)):
         for odd in (1e30, np.inf, np.nan):
