@@ -17,9 +17,6 @@
  * partial before adding it to its running sum, so a 10^6-element row's sum errs by ~1e-7
  * relative, not ~1e-5 (one running sum over 62,500 terms per lane).
  */
-/* a > b ? a : b lane by lane: one x86 maxps, where fmax's NaN rule costs a compare and a
- * blend more. A NaN x is dropped here as fmax drops it (it turns the row NaN in pass 2). */
-#define SM_VMAX(m, x) sm_vmax((m), (x))
 #define SBLK 64 /* terms (vectors on the vector paths) per block partial sum */
 #define SM_SCR_BYTES 16384 /* STREAM=1: the row of e kept in local memory, at most */
 #if STREAM == 1
@@ -30,6 +27,8 @@
 #define SM_KEPT(i) ((PK_CAT(PK_ACC_T, VEC))(0))
 #endif
 #if VEC > 1 && PK_HAS_VECTOR
+/* x > m ? x : m lane by lane: one x86 maxps, where fmax's NaN rule costs a compare and a
+ * blend more. A NaN x is dropped here as fmax drops it (it turns the row NaN in pass 2). */
 PK_DEVICE_FN PK_CAT(PK_ACC_T, VEC) sm_vmax(PK_CAT(PK_ACC_T, VEC) m, PK_CAT(PK_ACC_T, VEC) x)
 {
     return select(m, x, x > m);
@@ -90,12 +89,12 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
             svt mv = (svt)(-PK_INFINITY), mv1 = mv, mv2 = mv, mv3 = mv;
             int bi = lid;
             for (; bi + 3 * WG < nv; bi += 4 * WG) {
-                mv = SM_VMAX(mv, PK_CAT(vload, VEC)(bi, xr));
-                mv1 = SM_VMAX(mv1, PK_CAT(vload, VEC)(bi + WG, xr));
-                mv2 = SM_VMAX(mv2, PK_CAT(vload, VEC)(bi + 2 * WG, xr));
-                mv3 = SM_VMAX(mv3, PK_CAT(vload, VEC)(bi + 3 * WG, xr));
+                mv = sm_vmax(mv, PK_CAT(vload, VEC)(bi, xr));
+                mv1 = sm_vmax(mv1, PK_CAT(vload, VEC)(bi + WG, xr));
+                mv2 = sm_vmax(mv2, PK_CAT(vload, VEC)(bi + 2 * WG, xr));
+                mv3 = sm_vmax(mv3, PK_CAT(vload, VEC)(bi + 3 * WG, xr));
             }
-            for (; bi < nv; bi += WG) mv = SM_VMAX(mv, PK_CAT(vload, VEC)(bi, xr));
+            for (; bi < nv; bi += WG) mv = sm_vmax(mv, PK_CAT(vload, VEC)(bi, xr));
             mv = fmax(fmax(mv, mv1), fmax(mv2, mv3));
             const PK_ACC_T* ml = (const PK_ACC_T*)&mv;
             for (int l = 0; l < VEC; ++l) mx = fmax(mx, ml[l]);
