@@ -91,11 +91,13 @@ def packs_b(p: Problem, cfg: Mapping[str, int]) -> bool:
     return _packed_elements(p, cfg) <= MAX_INDEX
 
 
-# PACK_B = 2 packs a B of more than this many bytes. Side by side on a 2-core Xeon (PoCL /
-# Intel, fp32 square): reading B in place with 2 items (12 rows) per group was 1.26 / 1.27x
-# faster at N=256 and 1.22 / 1.19x at N=512 (B 1 MiB: it stays in a core's L2, and a small C
-# needs the extra groups to keep both cores busy); at N=1024 (4 MiB) packing is 2x faster.
-PACK_MIN_BYTES = 1 << 20
+# PACK_B = 2 packs a B of more than this many bytes. Side by side on a 2-core AMD EPYC (Zen,
+# AVX2; PoCL / Intel, fp32 square, the packed path indexing A by row pointers, matmul.c):
+# reading B in place with 2 items (12 rows) per group is 1.1 / 1.0x faster at N=256 and
+# 1.07 / 1.01x at N=384 (B 576 KiB); at N=512 (1 MiB) packing is 1.15 / 1.13x faster, at
+# N=1024 and 2048 1.5x and more. (On a 2-core Xeon, before that indexing fix, reading in place
+# was still 1.2x faster at N=512.) The threshold sits between the sizes measured.
+PACK_MIN_BYTES = 3 << 18  # 768 KiB
 
 
 def fit_pack(p: Problem, cfg: dict[str, int], compute_units: int) -> dict[str, int]:

@@ -36,7 +36,7 @@ def _mm_problem(m: int, k: int, n: int, dtype: str = "float32"):  # noqa: ANN202
 def test_automatic_pack_follows_the_size_of_b() -> None:
     cpu = dict(MATMUL.schedules["cpu"])
     assert cpu["PACK_B"] == 2 and MATMUL.schedules["gpu"]["PACK_B"] == 0
-    side = int((mm.PACK_MIN_BYTES // 4) ** 0.5)  # 512: B of exactly PACK_MIN_BYTES
+    side = int((mm.PACK_MIN_BYTES // 4) ** 0.5)  # B of at most PACK_MIN_BYTES
     small = mm.fit_pack(_mm_problem(64, side, side), dict(cpu), 2)
     assert small["PACK_B"] == 0 and small["LY"] == 2
     big = mm.fit_pack(_mm_problem(64, side, side + 1), dict(cpu), 2)
@@ -48,11 +48,12 @@ def test_automatic_pack_follows_the_size_of_b() -> None:
 
 
 def test_each_problem_in_a_bucket_gets_its_own_fit(kernel_target: str) -> None:
-    """N = 512 and N = 1024 share one tuning bucket; the memo of configs per bucket must not
+    """N = 384 and N = 1024 share one tuning bucket; the memo of configs per bucket must not
     hand the first one's fitted choice to the second (PACK_B, and likewise attention's
     SPLIT)."""
     be = selection.get(kernel_target)
-    a, b = _mm_problem(512, 512, 512), _mm_problem(1024, 1024, 1024)
+    a, b = _mm_problem(384, 384, 384), _mm_problem(1024, 1024, 1024)
+    assert a.derived["K"] * a.derived["N"] * 4 <= mm.PACK_MIN_BYTES < 1024 * 1024 * 4
     assert configs.bucket(a) == configs.bucket(b)
     first, second = configs.config_for(be, MATMUL, a), configs.config_for(be, MATMUL, b)
     if be.device_class == "cpu":
