@@ -336,7 +336,7 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                  * whatever its weight (w * inf is inf, 0 * inf NaN, and neither leaves), so
                  * one check per accumulator after the chunk finds it, not one per V vector:
                  * their sum, non-finite if any one is (an add, off the FMA pipes, where
-                 * a * 0 took an FMA per accumulator: 3-5% of the decode on a Zen). An
+                 * a * 0 took an FMA per accumulator: 2-5% of the decode on a Zen). An
                  * overflow of the sum or a NaN weight takes the exact path too, which gives
                  * the same value. */
                 #pragma unroll

@@ -297,6 +297,37 @@ def test_simulator_split_and_unchecked_bad_tables(schedule: str) -> None:
     assert v.ok, str(v)
 
 
+def nonfinite_v(a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Sequence 0 of ``paged(..., B=1, BS=8, lens=[600])``: an inf in the V row at position 83
+    (every query attends it), a NaN in the V row at 599 (only the last query, at 599, attends
+    it: the query at 598 must stay finite)."""
+    a = dict(a)
+    v = a["v_cache"].copy()
+    bt = a["block_table"]
+    v[bt[0, 83 // 8], 0, 83 % 8, 5] = np.inf
+    v[bt[0, 599 // 8], 0, 599 % 8, 7] = np.nan
+    a["v_cache"] = v
+    return a
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_nonfinite_v_rows_poison_exactly_the_rows_that_attend_them(kernel_target: str,
+                                                                   dtype: str) -> None:
+    """Attention's rule: a kept key whose V row holds a NaN or an inf makes the row NaN (not
+    inf, not a NaN in one column); a row that does not attend it stays finite. The CPU
+    schedule finds such a chunk by its accumulators and redoes it exactly."""
+    a = nonfinite_v(paged(np.random.default_rng(2), B=1, Hq=4, Hkv=1, Sq=2, D=32, BS=8,
+                          MB=80, lens=[600], dtype=dtype))
+    got = check(a, {}, kernel_target)
+    assert np.isnan(got[0, :, 1]).all() and np.isnan(got[0, :, 0]).all()
+    b = dict(a)
+    v = a["v_cache"].copy()
+    v[a["block_table"][0, 83 // 8], 0, 83 % 8, 5] = 0  # only the NaN at 599 left
+    b["v_cache"] = v
+    got = check(b, {}, kernel_target)
+    assert np.isnan(got[0, :, 1]).all() and np.isfinite(got[0, :, 0]).all()
+
+
 # --- mutants: faults the oracle must catch ----------------------------------------------------
 MUTANTS = {
     "the combine drops the last split": (
@@ -317,6 +348,10 @@ MUTANTS = {
     "P.V skips every other group of accumulator vectors": (
         "for (int c0 = 0; c0 < NAV; c0 += PA_CG) {",
         "for (int c0 = 0; c0 < NAV; c0 += 2 * PA_CG) {", {"SPLIT": 1, "VEC": 8, "ACC": 8}),
+    # (the case gets non-finite V rows: nonfinite_v)
+    "P.V never redoes a chunk whose V rows hold a NaN or an inf": (
+        "if (!all(isequal(bad - bad, (pa_vt)(0.0f)))) {", "if (0) {",
+        {"SPLIT": 1, "VEC": 8, "ACC": 8}),
     "a chunk longer than the page keeps lanes past the page's last key": (
         "const pa_it live = lanes < (pa_it)(nk);", "const pa_it live = lanes < (pa_it)(VEC);",
         {"SPLIT": 1, "VEC": 16}),
@@ -335,6 +370,8 @@ def test_mutant_is_caught(name: str) -> None:
     be = selection.get(target)
     a = paged(np.random.default_rng(2), B=1, Hq=4, Hkv=1, Sq=2, D=32, BS=8, MB=80,
               lens=[600])  # pages of 8: shorter than the CPU schedule's 16-key chunks
+    if "NaN or an inf" in name:
+        a = nonfinite_v(a)
     config = {**SPEC.schedules[be.device_class], **cfg}
     got = pk.call(mutant, **a, backend=be, config=config)
     assert not compare_case(SPEC, Case(a, {}, "mutant"), got, be).ok, f"{name!r} survived"
