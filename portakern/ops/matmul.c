@@ -213,6 +213,7 @@ PK_KERNEL PK_LAUNCH_BOUNDS(LX * LY, MM_MIN_GROUPS) void matmul(PK_GLOBAL const P
         }
         return;
     }
+#undef MM_A
     /* right edge (fewer than NCOL columns left): scalar, same ownership */
     for (int kb = 0; kb < K; kb += KB1) {
         const int kend = min(kb + KB1, K);

@@ -132,7 +132,7 @@ def test_schedules_clean_on_simulator(op: str, schedule: str, dtype: str) -> Non
 
 
 # Paths the CPU schedule picks by size, which the sweep's small cases never reach: matmul's
-# packed B (a B over 1 MiB) and softmax's streamed output with e kept in local memory (an
+# packed B (a B over 768 KiB) and softmax's streamed output with e kept in local memory (an
 # output of 32 MiB or more), the latter also shared by 4 items of a group.
 SIZE_CHOSEN = [("matmul", {"PACK_B": 1}), ("softmax", {"STREAM": 1}),
                ("softmax", {"STREAM": 1, "WG": 4})]

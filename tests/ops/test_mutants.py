@@ -70,14 +70,15 @@ MUTANTS = {
         {"USE_LOCAL": 0}, "bfloat16"),
     "matmul: vector path skips the last k": (
         "matmul", "const int kend = min(kb + KB1, K);\n            #pragma unroll",
-        "const int kend = min(kb + KB1, K - 1);\n            #pragma unroll", {"VEC": 16},
+        "const int kend = min(kb + KB1, K - 1);\n            #pragma unroll",
+        {"VEC": 16, "USE_LOCAL": 0},
         "float32"),
     # the packed path's A rows as pointers (matmul.c MM_A): each pointer at the next row the
     # item owns (in bounds: rows are clamped)
     "matmul: packed path pairs each C row with the next A row": (
         "matmul", "for (int i = 0; i < TM; ++i) ap[i] = A + arow[i];",
         "for (int i = 0; i < TM; ++i) ap[i] = A + arow[(i + 1) % TM];",
-        {"VEC": 8, "TM": 6, "TN": 2, "LX": 1, "LY": 4, "PACK_B": 1}, "float32"),
+        {"VEC": 8, "TM": 6, "TN": 2, "LX": 1, "LY": 4, "PACK_B": 1, "USE_LOCAL": 0}, "float32"),
     # issue 14: results a worst-case bound of 2 K u |A||B| lets through at K = 4096 and 16384;
     # the statistical check (portakern.verify) catches them, through the same compare()
     "matmul: inputs rounded to TF32 (10-bit mantissa)": (

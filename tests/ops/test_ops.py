@@ -93,8 +93,8 @@ def test_every_schedule_heavy_op(op: str, schedule: str, kernel_target: str,
 ALTERNATIVE_CONFIGS = {
     "matmul": [
         {"PACK_B": 0},  # the CPU micro-kernel reading B in place, with its scalar right edge
-        # B packed into panels: the CPU schedule's choice for a B over 1 MiB, which no drawn
-        # case reaches
+        # B packed into panels: the CPU schedule's choice for a B over PACK_MIN_BYTES (768
+        # KiB), which only the long-K drawn cases reach
         {"PACK_B": 1},
         {"TM": 8, "TN": 2, "LY": 2},  # two rows of items per group, a narrower register block
         {"TN": 2, "VEC": 8},  # the cpu256 schedule (AVX2): 6x16 per item; or cpu on AVX2

@@ -132,7 +132,7 @@ def test_the_blocking_is_the_kernels() -> None:
 def test_emulation_is_the_kernel(kernel_target: str, schedule: str,
                                  overlay: dict[str, int]) -> None:
     """Both schedules (the CPU micro-kernel with explicit fma(), B read in place as these
-    small shapes get it, or packed as a B over 1 MiB gets it; the local-tile path) on every
+    small shapes get it, or packed as a B over 768 KiB gets it; the local-tile path) on every
     C-kernel target: bit for bit the emulation, fused or not, with K not a
     multiple of 512 and a last second-level sum of one block (K = 8193: 17 blocks). Measured
     also: the direct vector path (PACK_B=0) and the scalar direct path (VEC=1, USE_LOCAL=0)
