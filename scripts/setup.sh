@@ -56,7 +56,10 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "pip install -e .[all] (first run downloads CuPy, JAX, PyOpenCL: a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/python -m pip install -q -e '.[all]'
+  # ml_dtypes < 0.7: 0.7.0 takes 1.1 s to import beside numpy 2.4 (0.6.0: 7 ms), paid by
+  # every process that imports portakern (CLI, benchmark workers, test subprocesses); the
+  # package itself accepts any ml_dtypes >= 0.4 (README, Install)
+  .venv/bin/python -m pip install -q -e '.[all]' 'ml_dtypes<0.7'
   # CLBlast peer for the benchmark: pyclblast 1.4 builds with scikit-build-core against
   # Debian's libclblast-dev, so it needs build isolation (its own build environment).
   if ! .venv/bin/python -c "import pyclblast" >/dev/null 2>&1; then
