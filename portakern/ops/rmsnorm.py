@@ -14,7 +14,8 @@ rmsnorm.c.) A row containing inf or NaN gives a NaN row; a row of zeros gives ze
 Error analysis (the ``tolerance`` rule). Let S = sum x_j^2, ms = S/n, q = ms + eps, r = sqrt(q),
 y_j = x_j w_j / r; u is the unit roundoff of the compute type, u_out of the output (storage)
 type, sigma the smallest positive *normal* number of the compute type (not the smallest
-subnormal: XLA on CPUs flushes subnormal results to zero, which errs by up to sigma).
+subnormal: XLA on CPUs flushes subnormal results to zero, which errs by up to sigma, and reads
+subnormal inputs as zero).
 
 * Each square rounds with relative error u; a square that underflows errs by at most sigma
   absolutely. The kernel's power-of-two scalings are exact except when they underflow (again
@@ -30,12 +31,17 @@ subnormal: XLA on CPUs flushes subnormal results to zero, which errs by up to si
   correctly); the reciprocal or division adds <= 2.5 ulp = 5u; the products x*inv and *w add u
   each (the XLA form: 2u for x/s, u each for the division and *w).
 * Rounding to the output type adds u_out.
+* A subnormal input read as zero (XLA on CPUs: denormals-are-zero) loses y_j = x_j w_j / r
+  whole: |x_j w_j| / r absolutely (< sigma |w_j| / r, r = sqrt(q) >= sqrt(eps)), a floor
+  term for those elements only; its square, < sigma^2, is inside the n sigma above.
+  (x = 1e-42, eps = 1.2e-38: y = 9.1e-24, and jax:cpu gives 0.) An element that is not
+  subnormal keeps the bound above, on every backend.
 
 Hence, relative to |y|: 0.5 ((n+6) u ms + sigma) / q + 16u + u_out (the constants are rounded
 up past the 13u counted above to cover second-order terms), plus an absolute floor for outputs
 that underflow: the output type's smallest subnormal and sigma (1 + sqrt(n)) (1 + |w|) for
 products that underflow in the compute type (the XLA form's x/s can underflow and is then
-scaled by at most sqrt(n) |w|).
+scaled by at most sqrt(n) |w|), and |x w| / r for subnormal inputs (read as zero).
 
 Cost: per element one square-add (2 flops) and two multiplies; compulsory traffic is x read
 once, w read once and y written once.
@@ -132,6 +138,14 @@ def cost(p: Problem) -> Cost:
                 bytes=float(2 * numel + n) * p.info.storage.itemsize)
 
 
+def _read_as_zero(xv: np.ndarray, w: np.ndarray, sigma: float, r: np.ndarray) -> np.ndarray:
+    """|x_j w_j| / r where x_j is subnormal in the compute type (XLA on CPUs reads it as 0,
+    losing y_j whole), else 0: only those elements are loosened, so a row of ordinary values
+    keeps its bound (module docstring)."""
+    xa = np.abs(np.asarray(xv, dtype=np.float64))
+    return np.where(xa < sigma, xa * np.abs(np.asarray(w, dtype=np.float64)) / r, 0.0)
+
+
 def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarray:
     """The bound derived in the module docstring, evaluated in float64 on the inputs."""
     xv, w = x["x"], x["weight"]
@@ -144,7 +158,8 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
         ms_s = np.mean((xv / s) ** 2, axis=-1, keepdims=True)
         q_s = ms_s + eps / s / s
         rel = 0.5 * ((n + 6) * u * ms_s + sigma / s / s) / q_s + 16 * u + p.info.unit_roundoff
-        floor = p.info.subnormal + sigma * (1 + math.sqrt(n)) * (1 + np.abs(w))
+        floor = (p.info.subnormal + sigma * (1 + math.sqrt(n)) * (1 + np.abs(w))
+                 + _read_as_zero(xv, w, sigma, s * np.sqrt(q_s)))
         bound = np.abs(ref) * rel + floor
     # rows with inf/NaN must be NaN on both sides (compare() accepts that); bound 0 there
     return np.nan_to_num(bound, nan=0.0, posinf=0.0)
@@ -175,7 +190,8 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
         y = np.abs(np.nan_to_num(ref, nan=0.0))
         sig = y * np.sqrt((0.5 * ms_s / q_s) ** 2 * 2.0 * n * u * u + p.info.unit_roundoff ** 2)
         rel = 0.5 * (6 * u * ms_s + sigma_min / s / s) / q_s + 16 * u
-        floor = p.info.subnormal + sigma_min * (1 + math.sqrt(n)) * (1 + np.abs(w))
+        floor = (p.info.subnormal + sigma_min * (1 + math.sqrt(n)) * (1 + np.abs(w))
+                 + _read_as_zero(xv, w, sigma_min, s * np.sqrt(q_s)))
         slack = y * rel + floor
     return StatModel(np.nan_to_num(sig, nan=np.inf), np.nan_to_num(slack, nan=np.inf), (-1,))
 
@@ -202,9 +218,14 @@ def cases(ch: Chooser, dtype: str) -> Case:
     shape = ch.choice(BATCHES) + (n,)
     eps = ch.choice((1e-6, 1e-6, 1e-5, 0.1))
     kind = ch.choice(("normal", "normal", "offset", "large", "small", "eps", "mixed", "zero_row",
-                      "nonfinite"))
+                      "nonfinite", "subnormal"))
     large, small, huge = MAGNITUDES[dtype]
-    scale = {"large": large, "small": small, "eps": math.sqrt(eps)}.get(kind, 1.0)
+    if kind == "subnormal":  # subnormal storage values, eps the least allowed: y is normal
+        small = float(np.finfo(np.float16).tiny if dtype == "float16" else
+                      np.finfo(dtypes.info(dtype).compute).tiny) / 100
+        eps = float(np.finfo(dtypes.info(dtype).compute).tiny)
+    scale = {"large": large, "small": small, "eps": math.sqrt(eps), "subnormal": small
+             }.get(kind, 1.0)
     offset = (100.0 if dtype == "float16" else 1e3) if kind == "offset" else 0.0
     x = rng.standard_normal(shape) * scale + offset
     if kind == "mixed":  # a few huge elements beside ordinary ones: both of the kernel's sums
