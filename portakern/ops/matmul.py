@@ -185,7 +185,22 @@ def tolerance(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> np.ndarr
         gamma = max(gamma, _mma_gamma(K, u))
     mag = np.matmul(np.abs(x["a"]), np.abs(x["b"]))
     floor = p.info.subnormal + K * float(np.finfo(p.info.compute).tiny)
-    return gamma * mag + p.info.unit_roundoff * np.abs(ref) + floor
+    return gamma * mag + p.info.unit_roundoff * np.abs(ref) + floor + _read_as_zero(p, x)
+
+
+def _read_as_zero(p: Problem, x: dict[str, np.ndarray]) -> np.ndarray | float:
+    """sum_k |a_ik b_kj| over the products with a factor subnormal in the compute type: XLA
+    on CPUs reads such inputs as zero, and beside a large factor the lost product is a normal
+    number (1e-40 * 1e20). Only those products are loosened; 0 when no input is subnormal."""
+    tiny = float(np.finfo(p.info.compute).tiny)
+    a = np.abs(np.asarray(x["a"], dtype=np.float64))
+    b = np.abs(np.asarray(x["b"], dtype=np.float64))
+    sa, sb = (a > 0) & (a < tiny), (b > 0) & (b < tiny)
+    if not (sa.any() or sb.any()):
+        return 0.0
+    with np.errstate(all="ignore"):
+        lost = np.matmul(np.where(sa, a, 0.0), b) + np.matmul(a, np.where(sb, b, 0.0))
+    return np.nan_to_num(lost, nan=0.0, posinf=0.0)
 
 
 def _mma_gamma(K: int, u: float) -> float:
@@ -319,7 +334,7 @@ def statistical(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray) -> Any:
         var = sq.reshape(ref.shape) + (K - 1) * (rng * rng).reshape(ref.shape)
         sigma2 = u * u * var + (p.info.unit_roundoff * ref) ** 2
         slack = np.where(np.isfinite(run), run, 0.0).reshape(ref.shape)
-    return StatModel(np.sqrt(sigma2), _floor(p) + RUNNING_SUM_SLACK * slack)
+    return StatModel(np.sqrt(sigma2), _floor(p) + _read_as_zero(p, x) + RUNNING_SUM_SLACK * slack)
 
 
 def _half_ulp2(s: np.ndarray, u: float, valid: np.ndarray | bool = True) -> np.ndarray:
@@ -398,7 +413,7 @@ def statistical_ordered(p: Problem, x: dict[str, np.ndarray], ref: np.ndarray, *
         sigma2 = var.reshape(ref.shape)
         if p.info.storage != p.info.compute:  # the store rounds to fp16/bf16
             sigma2 = sigma2 + (p.info.unit_roundoff * ref) ** 2
-    return StatModel(np.sqrt(sigma2), _floor(p) + slack.reshape(ref.shape))
+    return StatModel(np.sqrt(sigma2), _floor(p) + _read_as_zero(p, x) + slack.reshape(ref.shape))
 
 
 MMA_WAVES = (8, 16, 32, 64)  # every wave a lowering has (core/codegen.py FRAGMENTS)
@@ -459,7 +474,7 @@ TUNABLES = (
 
 # --- test cases: shapes and values that break kernels and numerics (suite, `check`) ---
 LONG_K = (4096, 16384)  # long reductions: where TF32/bf16 inputs show (statistical check)
-MATMUL_VALUES = ("normal", "normal", "positive", "integer", "offset", "nonfinite")
+MATMUL_VALUES = ("normal", "normal", "positive", "integer", "offset", "nonfinite", "subnormal")
 
 
 def matmul_values(rng: np.random.Generator, kind: str, shape_a: tuple[int, ...],
@@ -469,7 +484,8 @@ def matmul_values(rng: np.random.Generator, kind: str, shape_a: tuple[int, ...],
     integer-valued (exact in every order while partial sums stay below 2^24); offset (a's
     entries around +-1e4, b's around +-1e4 or 0: a common offset the rounding must not
     bias); nonfinite (normal with a few NaN / +inf / -inf entries, which must land exactly
-    where the oracle puts them). fp16 keeps its results below its range (65504)."""
+    where the oracle puts them); subnormal (half of a's entries subnormal, b's large: the
+    products are normal numbers). fp16 keeps its results below its range (65504)."""
     k = shape_a[-1]
     if kind == "positive":
         a, b = rng.random(shape_a) * scale, rng.random(shape_b)
@@ -482,6 +498,12 @@ def matmul_values(rng: np.random.Generator, kind: str, shape_a: tuple[int, ...],
         sign_b = float(rng.choice([1.0, -1.0, 0.0]))
         a = rng.standard_normal(shape_a) + sign_a * off
         b = rng.standard_normal(shape_b) + sign_b * off
+    elif kind == "subnormal":  # a: some entries subnormal in the compute type; b: large
+        tiny = float(np.finfo({"float16": np.float16, "float64": np.float64}.get(
+            dtype, np.float32)).tiny)
+        big = 1.0 if dtype == "float16" else 1e20 if dtype != "float64" else 1e200
+        a = rng.standard_normal(shape_a) * np.where(rng.random(shape_a) < 0.5, tiny / 64, scale)
+        b = rng.standard_normal(shape_b) * big
     else:
         a, b = rng.standard_normal(shape_a) * scale, rng.standard_normal(shape_b)
     if kind == "nonfinite":
