@@ -565,7 +565,8 @@ def _mma_terms(p: Problem) -> tuple[float, float]:
     u = u_of(p)
     sk = p.derived["Sk"]
     rel = 36.0 * u * (cdiv(sk, 16) + 1) + p.info.unit_roundoff
-    eta = float(np.finfo(p.info.storage).smallest_subnormal) / 2.0
+    # (p.info, not np.finfo(storage): numpy's finfo knows bfloat16 only from ml_dtypes 0.7)
+    eta = p.info.subnormal / 2.0
     return rel, eta
 
 

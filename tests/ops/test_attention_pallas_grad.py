@@ -110,7 +110,7 @@ def grad_bounds(x: dict[str, Any], scale: float, grads: list[np.ndarray], dtype:
     """The derived bounds on |dq|, |dk|, |dv| errors (module docstring), float64 numpy."""
     compute = np.float64 if dtype == "float64" else np.float32
     u = float(np.finfo(compute).eps) / 2
-    us = float(np.finfo(NP[dtype]).eps) / 2
+    us = float(ml_dtypes.finfo(NP[dtype]).eps) / 2  # (np.finfo knows bf16 from ml_dtypes 0.7)
     q, k, v = (x[n].astype(np.float64) for n in "qkv")
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
