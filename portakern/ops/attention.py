@@ -189,6 +189,12 @@ def checked_window(value: object) -> tuple[int, int | None] | None:
     return left, right
 
 
+# The largest soft cap: 2**126, whose reciprocal is float32's smallest normal. XLA on a CPU
+# divides by a scalar as a product with its reciprocal, which a larger cap makes subnormal and
+# flushes to 0: s / 3e38 came out 0 for every finite s, and NaN for s = +-inf.
+MAX_SOFTCAP = 2.0 ** 126
+
+
 def checked_softcap(value: object) -> float | None:
     if value is None:
         return None
@@ -196,6 +202,11 @@ def checked_softcap(value: object) -> float | None:
             or not math.isfinite(float(value)) or float(value) <= 0.0:
         raise InvalidArgumentError(f"attention: softcap must be a positive finite number or "
                                    f"None; got {value!r}. Gemma 2 uses 50.0 (s -> c tanh(s/c)).")
+    if float(value) > MAX_SOFTCAP:
+        raise InvalidArgumentError(
+            f"attention: softcap must be at most 2**126 (about 8.5e37); got {value!r}. 1 / c "
+            "must be a normal float32: XLA divides by c as a product with 1 / c, which it would "
+            "flush to 0. Any cap that large leaves scores below 1e34 within an ulp: pass None.")
     return float(value)
 
 
@@ -797,12 +808,13 @@ def attention_case(ch: Chooser, dtype: str) -> Case:
 
 def score_mod_case(ch: Chooser, rng: np.random.Generator, dtype: str, b: int, hq: int,
                     sq: int, sk: int) -> tuple[dict[str, Any], dict[str, Any], str]:
-    """Windows (left only, both sides, 0, past the ends), soft caps (small enough to bend
-    the scores, or 50 as Gemma 2), biases (broadcast shapes, N(0, 1) to N(0, 30), -inf
-    entries that drop keys) and ALiBi slopes (the geometric series of the paper, or random),
-    each in about a fifth of the cases. Drawn from the case's own generator, not the chooser,
-    so the chooser's stream, and with it every case of a sequence, is what it was before
-    the modifiers existed (the mutant checks draw 40 cases in a row)."""
+    """Windows (left only, both sides, 0, past the ends, 2**31 - 1), soft caps (small enough
+    to bend the scores, 50 as Gemma 2, or near the type's max), biases (broadcast shapes,
+    N(0, 1) to N(0, 30), -inf entries that drop keys) and ALiBi slopes (the geometric series
+    of the paper, or random), each in about a fifth of the cases. Drawn from the case's own
+    generator, not the chooser, so the chooser's stream, and with it every case of a
+    sequence, is what it was before the modifiers existed (the mutant checks draw 40 cases
+    in a row)."""
     def boolean(p: float) -> bool:
         return bool(rng.random() < p)
 
@@ -813,11 +825,13 @@ def score_mod_case(ch: Chooser, rng: np.random.Generator, dtype: str, b: int, hq
     params: dict[str, Any] = {}
     note = ""
     if boolean(0.2):
-        left = choice((0, 1, 3, 16, 200))
-        params["window"] = left if boolean(0.5) else (left, choice((0, 2, 17, 300)))
+        # 2**31 - 1: "no edge" as users write it, which overflowed int32 positions once
+        left = choice((0, 1, 3, 16, 200, 2**31 - 1))
+        params["window"] = left if boolean(0.5) else (left, choice((0, 2, 17, 300, 2**31 - 1)))
         note += f" window{params['window']}"
     if boolean(0.2):
-        params["softcap"] = choice((0.5, 2.0, 50.0))
+        # the largest cap: s / c is subnormal for |s| < 1, which XLA on a CPU once flushed
+        params["softcap"] = choice((0.5, 2.0, 50.0, MAX_SOFTCAP))
         note += f" softcap{params['softcap']}"
     if boolean(0.2):
         bshape = choice(((sq, sk), (b, hq, sq, sk), (1, hq, 1, sk), (sk,)))

@@ -23,6 +23,14 @@ def keep_matrix(xp: Any, sq: int, sk: int, causal: bool, mask: Any,
     query position. ``window`` (left, right): query position - left <= key position and,
     when right is not None, key position <= query position + right."""
     keep = None
+    if window is not None and not isinstance(window, (int, np.integer)):
+        # No two positions lie further apart than sq + sk (a paged offset is at most the
+        # capacity, sk), so a wider edge means the same and clamping it keeps i + right in
+        # int32 under jax: window=(1, 2**31 - 1) as "no right edge" overflowed to a negative
+        # edge there and dropped every key.
+        window = tuple(None if w is None else min(int(w), sq + sk) for w in window)
+    elif window is not None:
+        window = min(int(window), sq + sk)
     if causal or window is not None:
         qpos = xp.arange(sq)[:, None] + q_offset
         kpos = xp.arange(sk)[None, :]
@@ -64,8 +72,16 @@ def modify_scores(xp: Any, s: Any, bias: Any = None, alibi_slopes: Any = None,
         dist = alibi_distance(xp, s.shape[-2], s.shape[-1], q_offset).astype(s.dtype)
         s = s - xp.reshape(alibi_slopes, (1, -1, 1, 1)).astype(s.dtype) * dist
     if softcap is not None:
-        s = softcap * xp.tanh(s / softcap)
+        s = capped(xp, s, softcap)
     return s
+
+
+def capped(xp: Any, s: Any, c: float) -> Any:
+    """c tanh(s / c), and s itself where s / c is 0 while s is not: there c tanh(s / c) is s
+    to well under an ulp, but XLA on a CPU flushes the subnormal s / c of a cap near the
+    type's max (c = 3e38, s ~ 1) to 0, which made every such score 0."""
+    u = s / c
+    return xp.where(u == 0, s, c * xp.tanh(u))
 
 
 def probabilities(xp: Any, q: Any, k: Any, lse: Any, mask: Any, causal: bool, scale: float,

@@ -31,7 +31,12 @@ PK_DEVICE_FN PK_ACC_T at_modify(PK_ACC_T s, PK_ACC_T bias, PK_ACC_T slope, int q
 {
     if (mods & AT_BIT_BIAS) s = s + bias;
     if (mods & AT_BIT_ALIBI) s = s - slope * (PK_ACC_T)(qpos > kpos ? qpos - kpos : kpos - qpos);
-    if (mods & AT_BIT_CAP) s = cap * tanh(s / cap);
+    if (mods & AT_BIT_CAP) {
+        /* s itself where s / cap is 0 and s is not (a cap near the type's max on a device
+         * that flushes subnormals: the value is s to under an ulp; attention_math.capped) */
+        const PK_ACC_T u = s / cap;
+        s = (u == (PK_ACC_T)0) ? s : cap * tanh(u);
+    }
     return s;
 }
 

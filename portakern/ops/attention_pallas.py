@@ -72,6 +72,7 @@ from typing import Any, NamedTuple
 
 from ..core.errors import InvalidArgumentError
 from ..core.spec import Problem, Tunable
+from . import attention_math
 
 # Block sizes are tunables with platform defaults. Interpret mode on a CPU pays per grid step,
 # so larger blocks are faster there; GPUs (Triton) want powers of two; TPUs want multiples of
@@ -173,7 +174,7 @@ def _modify(s: Any, qidx: Any, kidx: Any, bias: Any, slope: Any, softcap: float 
     if slope is not None:
         s = s - slope * jnp.abs(qidx - kidx).astype(s.dtype)
     if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
+        s = attention_math.capped(jnp, s, softcap)
     return s
 
 

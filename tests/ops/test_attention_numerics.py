@@ -21,6 +21,7 @@ import pytest
 import portakern as pk
 from portakern.core.sampling import Case, NumpyChooser
 from portakern.ops import get_op
+from portakern.ops.attention import MAX_SOFTCAP
 from portakern.runtime import selection
 from portakern.tools.cases import CASES, compare
 
@@ -189,6 +190,30 @@ def test_nonfinite_and_range_cases_every_kernel_path(path: str, kernel_target: s
     for name, make in CASES_BY_NAME.items():
         case = make()
         _properties(name, case, _run(kernel_target, case, path))
+
+
+# --- modifier values at the edges of their types ---------------------------------------------
+EDGE_MODS = {  # name: (the modifiers, the same call without them: what they must equal)
+    "window-right-int32-max": ({"window": (1, 2**31 - 1)}, {"window": 1}),
+    "window-both-int32-max": ({"window": (2**31 - 1, 2**31 - 1)}, {}),
+    "window-beyond-int32": ({"window": (2**31, 2**40)}, {}),
+    "softcap-largest": ({"softcap": MAX_SOFTCAP}, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(EDGE_MODS))
+def test_modifier_values_at_the_edges_of_their_types(name: str, target: str) -> None:
+    """2**31 - 1 is how users write "no edge", and the largest cap (2**126) caps nothing
+    here. jax once dropped every key for window=(1, 2**31 - 1) (i + right overflowed int32),
+    raised a raw OverflowError beyond it, and gave every score 0 under a cap of 3e38 (XLA
+    flushed s / c, and 1 / c, now refused): each must match the oracle and the call without
+    the modifier."""
+    mods, plain = EDGE_MODS[name]
+    q, k, v = _qkv(shape=(1, 2, 24, 16))
+    base = {"q": q, "k": k, "v": v, "mask": None}
+    got = _run(target, Case(base, {"causal": False, "scale": None, **mods}))
+    want = _run(target, Case(base, {"causal": False, "scale": None, **plain}))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 # --- the comparison sees NaN-ness, infinities and unspecified rows ---------------------------

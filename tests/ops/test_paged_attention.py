@@ -131,6 +131,14 @@ def test_speculative_decode_with_every_modifier(target: str) -> None:
     check(a, params, target)
 
 
+def test_modifier_values_at_the_edges_of_their_types(target: str) -> None:
+    """A window of 2**31 - 1 on both sides and the largest cap change nothing (jax: int32
+    positions overflowed, and XLA flushed the subnormal s / c to 0; test_attention_numerics)."""
+    a = ragged()
+    got = check(a, {"window": (2**31 - 1, 2**31 - 1), "softcap": 2.0**126}, target)
+    np.testing.assert_allclose(got, check(a, {}, target), rtol=1e-5, atol=1e-6)
+
+
 # the CPU vector path unsplit and split, the GPU scalar path (WG 32: tiles of 32 keys) split
 SPLIT_CONFIGS = [{"SPLIT": 1}, {"SPLIT": 4}, {"SPLIT": 128},
                  # the P.V register budget: one accumulator vector per row (ACC < RB), and

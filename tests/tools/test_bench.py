@@ -1210,7 +1210,11 @@ def test_no_efficiency_exceeds_the_roof_by_construction() -> None:
 def test_fma_probe_reaches_numpy_sgemm() -> None:
     """The FMA probe reaches >= 90% of numpy/OpenBLAS SGEMM at N=2048 (and at most 1.5x), the
     peer measured in its own process without OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE (they halve
-    OpenBLAS here). Interleaved twice, best of each, so a busy machine slows both alike."""
+    OpenBLAS here). Paired rounds, each judged by its own ratio: under pytest-xdist the other
+    worker's load can land on one side of a round (CI once read the probe at 211 GFLOP/s
+    against an SGEMM of 111 slowed by a neighbour; 219-221 against 206 quiet, on a Zen 4),
+    so the bound must hold in some round, which a probe that credits work it does not do
+    (4x) fails in all."""
     import os
     import subprocess
     import sys
@@ -1229,18 +1233,20 @@ def test_fma_probe_reaches_numpy_sgemm() -> None:
             "for _ in range(4):\n"
             "    t = time.perf_counter(); a @ a; best = min(best, time.perf_counter() - t)\n"
             "print(2 * 2048 ** 3 / best / 1e9)\n")
-    sgemm, probe = 0.0, 0.0
-    for _ in range(2):
+    rounds = []
+    for _ in range(3):
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, timeout=120, check=True)
-        sgemm = max(sgemm, float(out.stdout.split()[-1]))
+        sgemm = float(out.stdout.split()[-1])
         roof = probe_kernel_backend(be, ["float32"], timing.TimingConfig(
             min_time=0.05, min_reps=3, max_reps=20, budget_s=3.0))
-        probe = max(probe, roof.fma_gflops["float32"])
-    assert probe >= 0.9 * sgemm, f"FMA probe {probe:.0f} GFLOP/s vs numpy SGEMM {sgemm:.0f}"
+        rounds.append((roof.fma_gflops["float32"], sgemm))
+    text = ", ".join(f"{p:.0f} vs {s:.0f}" for p, s in rounds)
+    ratios = [p / s for p, s in rounds]
+    assert max(ratios) >= 0.9, f"FMA probe vs numpy SGEMM, GFLOP/s per round: {text}"
     # and not far above it: a tuned SGEMM runs at 80-95% of the FMA peak, so a probe 1.5x
     # above it credits work it does not do (the splat-folded probe read 4x on a Zen machine)
-    assert probe <= 1.5 * sgemm, f"FMA probe {probe:.0f} GFLOP/s vs numpy SGEMM {sgemm:.0f}"
+    assert min(ratios) <= 1.5, f"FMA probe vs numpy SGEMM, GFLOP/s per round: {text}"
     vws = {t.get("vw") for t in roof.trials if t["probe"] == "fma"}
     assert 16 in vws  # the dialect's float16 vectors were tried
 
