@@ -292,7 +292,7 @@ def _store_kind(dtype: str) -> int:
 
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
     return {"WG": cfg["WG"], "VEC": cfg["VEC"], "RB": rows_per_group(p, cfg),
-            "ACC": cfg["ACC"],
+            "ACC": cfg["ACC"], "PF": cfg.get("PF", 0),
             "DQ": p.derived["D"], "DV": p.derived["Dv"], "PA_ST": _store_kind(p.dtype),
             "PA_SPLIT": int(splits(p, cfg)[0] > 1),
             "AT_MODS": int(attention.score_mods(p) != 0)}
@@ -530,13 +530,16 @@ SPEC = KernelSpec(
                       "(CPU path): each of the RB rows keeps ACC / RB (at least 1) of its "
                       "DV / VEC"),
               Tunable("SPLIT", (0, 1, 2, 4, 8, 16, 32, 64, 128), "key splits: 0 from the "
-                      "device's compute units, 1 unsplit, n forced")),
-    schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "ACC": 16, "SPLIT": 0},
-               # CPU: VEC 16 (zmm on AVX-512; 8 is 15-20% slower at 32768 tokens there)
-               "cpu": {"WG": 1, "VEC": 16, "RB": 8, "ACC": 16, "SPLIT": 0},
+                      "device's compute units, 1 unsplit, n forced"),
+              Tunable("PF", (0, 1), "the next chunk's prefetch (CPU path): 0 non-temporal "
+                      "(prefetchnta), 1 into the outer caches (prefetcht2)")),
+    schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "ACC": 16, "SPLIT": 0, "PF": 0},
+               # CPU: VEC 16 (zmm on AVX-512; 8 is 15-20% slower at 32768 tokens there);
+               # the next chunk into L2 (PF 1: 1.5-1.9x on a Zen 4, docs/decode.md)
+               "cpu": {"WG": 1, "VEC": 16, "RB": 8, "ACC": 16, "SPLIT": 0, "PF": 1},
                # AVX2: ymm vectors, and 16 of them: P.V keeps 8 accumulators, not 16 (which
-               # spilled: 10-20% slower, docs/decode.md)
-               "cpu256": {"WG": 1, "VEC": 8, "RB": 8, "ACC": 8, "SPLIT": 0}},
+               # spilled: 10-20% slower, docs/decode.md); prefetchnta measured best there
+               "cpu256": {"WG": 1, "VEC": 8, "RB": 8, "ACC": 8, "SPLIT": 0, "PF": 0}},
     fit_device=fit_device,
     check_values=check_operand_values,
     unspecified_nonfinite=True,

@@ -38,11 +38,11 @@ def test_hip_differs_from_cuda_only_in_its_overrides() -> None:
 
 def test_hip_preamble_is_unchanged_by_inheriting() -> None:
     """Pinned from the rendering of the table (re-pinned when ids, sizes and the barrier became
-    builtins, when PK_PREFETCH and PK_STREAM_STORE joined, and when PK_PREFETCH_ONCE did): the
-    source hipcc compiles is byte for byte the same."""
+    builtins, when PK_PREFETCH and PK_STREAM_STORE joined, and when PK_PREFETCH_ONCE and
+    PK_PREFETCH_OUTER did): the source hipcc compiles is byte for byte the same."""
     text = _preamble("hip")
     assert hashlib.sha256(text.encode()).hexdigest() == (
-        "4e88bfc17974e6bbedacbf19d9a72e3ddfde462ca4f92517ecfdcdb94c35b030")
+        "8c4f51f435a1a00ed70bd456127e34c9ccdb470d735e402a32c5f974b5eb20d0")
     # and the rendered lines differ from cuda's exactly where the overridden fields are used
     diff = {ln for ln in set(text.splitlines()) ^ set(_preamble("cuda").splitlines())
             if not ln.startswith(_HIP_BUILTIN_LINES)}
@@ -73,10 +73,15 @@ def test_prefetch_is_a_hint_only_where_the_compiler_has_it() -> None:
     once = opencl.index("#define PK_PREFETCH_ONCE(p) __builtin_prefetch((p), 0, 0)")
     assert opencl[once - 2] == "#if defined(__has_builtin) && !defined(PK_NO_PREFETCH)"
     assert "#define PK_PREFETCH_ONCE(p) PK_PREFETCH(p)" in opencl[once:once + 5]
+    # the outer-cache hint: prefetcht2 (locality 1), off with PK_NO_PREFETCH, else ONCE
+    outer = opencl.index("#define PK_PREFETCH_OUTER(p) __builtin_prefetch((p), 0, 1)")
+    assert opencl[outer - 2] == "#if defined(__has_builtin) && !defined(PK_NO_PREFETCH)"
+    assert "#define PK_PREFETCH_OUTER(p) PK_PREFETCH_ONCE(p)" in opencl[outer:outer + 5]
     for dialect in ("cuda", "hip"):
         text = _preamble(dialect)
         assert "#define PK_PREFETCH(p) ((void)0)" in text and "prefetch(" not in text
         assert "#define PK_PREFETCH_ONCE(p) PK_PREFETCH(p)" in text
+        assert "#define PK_PREFETCH_OUTER(p) PK_PREFETCH_ONCE(p)" in text
     assert "-DPK_NO_PREFETCH" in OclgrindBackend.device_build_options
     assert "-DPK_NO_PREFETCH" not in OpenCLBackend.device_build_options
 
