@@ -18,6 +18,13 @@
  * relative, not ~1e-5 (one running sum over 62,500 terms per lane).
  */
 #define SBLK 64 /* terms (vectors on the vector paths) per block partial sum */
+/* the next row's hint (tunable PF): 1 into the outer caches (prefetcht2: 11-14% faster on an
+ * AVX-512 Zen 4), 0 into L1 (prefetcht0) */
+#if PF == 1
+#define SM_PF(p) PK_PREFETCH_OUTER(p)
+#else
+#define SM_PF(p) PK_PREFETCH(p)
+#endif
 #define SM_SCR_BYTES 16384 /* STREAM=1: the row of e kept in local memory, at most */
 #if STREAM == 1
 #define SM_KEEP(i, v) (scr[(i)] = (v))
@@ -135,8 +142,8 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
                     int bi = b0;
                     for (; bi + WG < bend; bi += 2 * WG) {
                         if (pf) {
-                            PK_PREFETCH(xr + n + bi * VEC);
-                            PK_PREFETCH(xr + n + (bi + WG) * VEC);
+                            SM_PF(xr + n + bi * VEC);
+                            SM_PF(xr + n + (bi + WG) * VEC);
                         }
                         const svt e0 = PK_VEXP(PK_CAT(vload, VEC)(bi, xr) - (svt)(rmax));
                         const svt e1 = PK_VEXP(PK_CAT(vload, VEC)(bi + WG, xr) - (svt)(rmax));
