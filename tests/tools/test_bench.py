@@ -451,9 +451,10 @@ def test_cpu_device_key_carries_the_cpu_model() -> None:
     assert metrics.device_key("cpu", "pthread-x", "vm", "  AMD   EPYC ") == "cpu:AMD EPYC @ vm"
     assert metrics.device_key("cpu", "cpu", "vm", None) == "cpu @ vm"  # no model: as before
     assert metrics.device_key("gpu", " H100 ", "vm", EPYC) == "gpu:H100 @ vm"
-    # an older file's bare key gets the result's model; a key with one is kept as stored
+    # an older file's key (bare, or the model alone) is rebuilt from the result's CPU
     assert metrics.device_key_of({"device_key": "cpu @ vm"}, "vm", EPYC) == "cpu:AMD EPYC @ vm"
-    assert metrics.device_key_of({"device_key": "cpu:X @ vm"}, "vm", EPYC) == "cpu:X @ vm"
+    assert metrics.device_key_of({"device_key": "cpu:X @ vm"}, "vm", EPYC) == "cpu:AMD EPYC @ vm"
+    assert metrics.device_key_of({"device_key": "cpu:X @ vm"}, "vm") == "cpu:X @ vm"
     assert metrics.device_key_of({"device": {"kind": "cpu"}}, "vm", EPYC) == "cpu:AMD EPYC @ vm"
     assert metrics.device_key_of({"device_key": "cpu @ vm"}, "vm") == "cpu @ vm"
 
@@ -700,6 +701,26 @@ def test_interrupt_still_writes_results(tmp_path: Path, monkeypatch: pytest.Monk
     assert on_disk["interrupted"] is True and len(on_disk["cases"]) == 1
 
 
+def test_the_cpu_key_tells_processors_of_one_model_name_apart() -> None:
+    """"AMD EPYC" named a Zen 1 (AVX2) and a Zen 4 (AVX-512) VM alike: the ISA, and the family
+    and model numbers where a file records them, keep their results two devices."""
+    def result(simd: list[str], **nums: int) -> dict[str, Any]:
+        return {"environment": {"cpu": {"model": EPYC, "simd": simd, **nums}}}
+
+    zen1 = metrics.cpu_model_of(result(["avx", "avx2", "fma"]))
+    zen4 = metrics.cpu_model_of(result(["avx2", "avx512f", "avx512bw"]))
+    zen4n = metrics.cpu_model_of(result(["avx2", "avx512f"], family=25, model_number=17))
+    assert (zen1, zen4, zen4n) == (f"{EPYC} (AVX2)", f"{EPYC} (AVX-512)",
+                                   f"{EPYC} (AVX-512, family 25 model 17)")
+    stored = {"device_key": f"cpu:{EPYC} @ vm"}  # what both files stored before
+    assert metrics.device_key_of(stored, "vm", zen1) != metrics.device_key_of(stored, "vm", zen4)
+    assert metrics.cpu_model_of({"environment": {"cpu": {"model": EPYC}}}) == EPYC
+    from portakern.tools.bench.environment import cpu_info
+    info = cpu_info()
+    if "model" in info and info.get("machine") == "x86_64":
+        assert isinstance(info.get("family"), int) and isinstance(info.get("model_number"), int)
+
+
 def test_a_run_writes_the_cpu_model_into_the_device_key(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from portakern.backend.base import DeviceInfo
@@ -726,8 +747,10 @@ def test_a_run_writes_the_cpu_model_into_the_device_key(tmp_path: Path,
     cfg = runner.BenchConfig(ops=("matmul",), out=str(tmp_path / "r.json"), probes=False,
                              peers=("xla",), dispatch=False)
     res = runner.run_bench(cfg)
-    assert res["targets"]["stub:0"]["device_key"] == f"cpu:{EPYC} @ vm"
-    assert res["cases"] and {r["device_key"] for r in res["cases"]} == {f"cpu:{EPYC} @ vm"}
+    cpu = metrics.cpu_model_of(res)  # the model, with this machine's ISA and numbers
+    assert cpu is not None and cpu.startswith(EPYC)
+    assert res["targets"]["stub:0"]["device_key"] == f"cpu:{cpu} @ vm"
+    assert res["cases"] and {r["device_key"] for r in res["cases"]} == {f"cpu:{cpu} @ vm"}
 
 
 # --- probes under CUDA (compile only: no GPU needed) ---------------------------------------------

@@ -81,6 +81,15 @@ def cpu_info() -> dict[str, Any]:
             if line.lower().startswith("model name"):
                 info["model"] = line.split(":", 1)[1].strip()
                 break
+        # x86's family and model numbers: "AMD EPYC" names a Zen 1 and a Zen 4 alike
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("cpu family", "model") and value.strip().isdigit():
+                info.setdefault("family" if key == "cpu family" else "model_number",
+                                int(value))
+            if "family" in info and "model_number" in info:
+                break
         for line in text.splitlines():
             if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())

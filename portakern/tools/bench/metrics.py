@@ -151,9 +151,22 @@ def achieved(measured_s: float, flops: float, nbytes: float) -> tuple[float, flo
 
 # --- which physical device a record ran on (report and plots) ------------------------------
 def cpu_model_of(result: Mapping[str, Any]) -> str | None:
-    """The CPU model a result file was measured on (``environment.cpu.model``), if recorded."""
-    model = ((result.get("environment") or {}).get("cpu") or {}).get("model")
-    return str(model) if model else None
+    """The CPU a result file was measured on, if recorded: ``environment.cpu.model`` with its
+    vector ISA and, where recorded, its family and model numbers, e.g. ``AMD EPYC (AVX-512,
+    family 25 model 17)``. The model name alone does not name the silicon: these VMs report
+    "AMD EPYC" for a Zen 1 (AVX2) and a Zen 4 (AVX-512) alike, and the report merged the two
+    as one processor. Files without the numbers (before 2026-12-07) keep the ISA, which every
+    file records."""
+    cpu = (result.get("environment") or {}).get("cpu") or {}
+    model = cpu.get("model")
+    if not model:
+        return None
+    simd = set(cpu.get("simd") or ())
+    parts = (["AVX-512"] if "avx512f" in simd else ["AVX2"] if "avx2" in simd
+             else ["SVE"] if "sve" in simd else ["NEON"] if simd & {"neon", "asimd"} else [])
+    if cpu.get("family") is not None and cpu.get("model_number") is not None:
+        parts.append(f"family {cpu['family']} model {cpu['model_number']}")
+    return f"{model} ({', '.join(parts)})" if parts else str(model)
 
 
 def device_key(kind: str, name: str, host: str, cpu_model: str | None = None) -> str:
@@ -174,14 +187,16 @@ def device_key(kind: str, name: str, host: str, cpu_model: str | None = None) ->
 def device_key_of(target: Mapping[str, Any], host: str, cpu_model: str | None = None) -> str:
     """The physical device a target runs on: all CPU targets of one machine are one device.
 
-    ``cpu_model`` is the result's ``environment.cpu.model``. Files written before CPU keys
-    carried the model store ``cpu @ host``; such a key (or a missing one) is rebuilt from the
-    model, so an old Xeon file and an old EPYC file of the same host become two devices and
-    match the keys new files of those machines store.
+    ``cpu_model`` is the result's CPU (``cpu_model_of``). Files written before CPU keys
+    carried the model store ``cpu @ host``, and later ones ``cpu:<model> @ host`` without the
+    ISA and numbers; such a key (or a missing one) is rebuilt from ``cpu_model``, so an old
+    Xeon file, a Zen 1 file and a Zen 4 file of the same host become three devices and match
+    the keys new files of those machines store.
     """
     stored = str(target.get("device_key") or "")
-    if stored.startswith("cpu @ "):
-        return device_key("cpu", "", stored[len("cpu @ "):], cpu_model)
+    if stored.startswith("cpu @ ") or (cpu_model and stored.startswith("cpu:")):
+        # a CPU key is rebuilt from the file's CPU: older keys named the model alone
+        return device_key("cpu", "", stored.rsplit(" @ ", 1)[-1], cpu_model)
     if stored:
         return stored
     dev = target.get("device") or {}
