@@ -23,14 +23,6 @@ def keep_matrix(xp: Any, sq: int, sk: int, causal: bool, mask: Any,
     query position. ``window`` (left, right): query position - left <= key position and,
     when right is not None, key position <= query position + right."""
     keep = None
-    if window is not None and not isinstance(window, (int, np.integer)):
-        # No two positions lie further apart than sq + sk (a paged offset is at most the
-        # capacity, sk), so a wider edge means the same and clamping it keeps i + right in
-        # int32 under jax: window=(1, 2**31 - 1) as "no right edge" overflowed to a negative
-        # edge there and dropped every key.
-        window = tuple(None if w is None else min(int(w), sq + sk) for w in window)
-    elif window is not None:
-        window = min(int(window), sq + sk)
     if causal or window is not None:
         qpos = xp.arange(sq)[:, None] + q_offset
         kpos = xp.arange(sk)[None, :]
@@ -38,9 +30,13 @@ def keep_matrix(xp: Any, sq: int, sk: int, causal: bool, mask: Any,
             keep = qpos >= kpos
         if window is not None:  # an int is a left edge alone, as pk.attention takes it
             left, right = (window, None) if isinstance(window, (int, np.integer)) else window
-            near = kpos >= qpos - left
+            # No two positions lie further apart than sq + sk (a paged offset is at most the
+            # capacity, sk), so a wider edge means the same, and clamping it keeps i + right
+            # in int32 under jax: window=(1, 2**31 - 1) as "no right edge" overflowed to a
+            # negative edge there and dropped every key.
+            near = kpos >= qpos - min(int(left), sq + sk)
             if right is not None:
-                near = xp.logical_and(near, kpos <= qpos + right)
+                near = xp.logical_and(near, kpos <= qpos + min(int(right), sq + sk))
             keep = near if keep is None else xp.logical_and(keep, near)
     if mask is not None:
         keep = mask if keep is None else xp.logical_and(keep, mask)

@@ -141,6 +141,8 @@ def test_modifier_values_at_the_edges_of_their_types(target: str) -> None:
 
 # the CPU vector path unsplit and split, the GPU scalar path (WG 32: tiles of 32 keys) split
 SPLIT_CONFIGS = [{"SPLIT": 1}, {"SPLIT": 4}, {"SPLIT": 128},
+                 # the next chunk's hint: non-temporal (cpu256's) and into L2 (cpu's)
+                 {"PF": 0, "SPLIT": 1}, {"PF": 1, "SPLIT": 4},
                  # the P.V register budget: one accumulator vector per row (ACC < RB), and
                  # four per row (two groups of D / VEC = 8)
                  {"VEC": 8, "ACC": 4, "SPLIT": 1}, {"VEC": 4, "ACC": 32, "SPLIT": 4},
