@@ -164,16 +164,18 @@ MUTANTS = {
         {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
     "attention: P.V also runs rows with nothing to attend in the tile": (
         "attention",
-        ("pv[t] = (vt)(all_on || on[t] ? pt[t][j] : (PK_ACC_T)0);",
-         "if (all_on || on[t]) a[t][c] = fma("),
-        ("pv[t] = (vt)(pt[t][j]);", "a[t][c] = fma("),
+        "pv[t] = (vt)(all_on || on[t] ? pt[t][j] : (PK_ACC_T)0);", "pv[t] = (vt)(pt[t][j]);",
         {"BK": 16, "VEC": 16}, "float32"),
     "attention: the denominators' lane sum drops a lane": (
         "attention", "e[i] += e[i + w];", "e[i] += (w == 1) ? (PK_ACC_T)0 : e[i + w];",
         {"BK": 16, "VEC": 16}, "float32"),
     "attention: the tile's causal test uses the block's last query, not its first": (
-        "attention", "(causal && k0 + BK - 1 > q0 + t0)",
-        "(causal && k0 + BK - 1 > q0 + t0 + TQ - 1)", {"BK": 16, "VEC": 16}, "float32"),
+        "attention", "causal && k0 + BK - 1 > q0 + t0;",
+        "causal && k0 + BK - 1 > q0 + t0 + TQ - 1;", {"BK": 16, "VEC": 16}, "float32"),
+    "attention: the causal diagonal's select keeps each query's next key": (
+        "attention", "iota > (vt)((PK_ACC_T)(q0 + t0 + t - k0 - c * VEC))",
+        "iota > (vt)((PK_ACC_T)(q0 + t0 + t + 1 - k0 - c * VEC))", {"BK": 16, "VEC": 16},
+        "float32"),
     "attention: a moved running max keeps the old scale": (
         "attention", "(mn == m[t0 + t]) ? (PK_ACC_T)1", "(mn != m[t0 + t]) ? (PK_ACC_T)1",
         {"BK": 16, "VEC": 16}, "float32"),
