@@ -128,6 +128,18 @@ def case_neginf_score_drops_key() -> Case:
     return _case(q, k, v)
 
 
+def case_causal_bad_keys_after_the_query() -> Case:
+    """Causal, no mask, 64 keys (whole tiles of every schedule: the CPU kernels' diagonal
+    tile takes its vector select, not the key-by-key path): key 40's k row is NaN (head 0)
+    and key 50's k holds +inf (head 1). Only the rows that attend such a key may be poisoned:
+    a key after the query must drop out however it scores, as a -inf, never as a sum with
+    one (NaN + -inf is NaN)."""
+    q, k, v = _qkv(shape=(1, 2, 64, 64))
+    k[0, 0, 40, :] = np.nan
+    k[0, 1, 50, 5] = np.inf
+    return _case(q, k, v, causal=True)
+
+
 CASES_BY_NAME = {
     "scale=1e8": lambda: case_huge_scale(1e8),
     "scale=1e12": lambda: case_huge_scale(1e12),
@@ -138,6 +150,7 @@ CASES_BY_NAME = {
     "masked-rows-bad-v": case_masked_rows_bad_v,
     "row-scores-all-neginf": case_row_scores_all_neginf,
     "neginf-score-drops-key": case_neginf_score_drops_key,
+    "causal-bad-keys-after-the-query": case_causal_bad_keys_after_the_query,
 }
 
 
@@ -165,6 +178,11 @@ def _properties(name: str, case: Case, got: np.ndarray) -> None:
     elif name == "row-scores-all-neginf":
         assert (got[0, 0, 9] == 0).all()
         assert np.isfinite(got).all()
+    elif name == "causal-bad-keys-after-the-query":
+        assert np.isfinite(got[0, 0, :40]).all() and np.isnan(got[0, 0, 40:]).all()
+        assert np.isfinite(got[0, 1, :50]).all()
+        plus = case.arrays["q"][0, 1, 50:, 5] > 0  # these rows score key 50 +inf: NaN
+        assert np.isnan(got[0, 1, 50:][plus]).all() and np.isfinite(got[0, 1, 50:][~plus]).all()
     elif name == "neginf-score-drops-key":
         arrays = dict(case.arrays)
         mask = np.ones((20, 20), bool)
