@@ -323,7 +323,6 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
             PK_ACC_T pt[TQ][BK];
             PK_ACC_T bmask[TQ]; /* masked tiles: each row's max over the keys it may attend */
             int on[TQ]; /* the query has a key to attend in this tile */
-            int all_on = 1;
             /* A tile edge, a mask, a bad V row or a modifier: key by key, through memory, in a
              * loop of its own (rolled: one copy of this code, not TQ) before the unrolled one. */
             const int masked = has_mask || k0 + BK > Sk
@@ -409,7 +408,6 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                     const PK_ACC_T bm = bmask[t];
                     if (bm == -PK_INFINITY) { /* nothing to attend: this row skips the tile */
                         on[t] = 0;
-                        all_on = 0;
                         continue;
                     }
                     mn = (bm > m[t0 + t] || bm != bm) ? bm : m[t0 + t];
@@ -441,7 +439,7 @@ PK_KERNEL PK_LAUNCH_BOUNDS(BQ, AT_MIN_GROUPS) void attention(PK_GLOBAL const PK_
                 vt pv[TQ];
                 #pragma unroll
                 for (int t = 0; t < TQ; ++t) /* (a skipped row never wrote its pt) */
-                    pv[t] = (vt)(all_on || on[t] ? pt[t][j] : (PK_ACC_T)0);
+                    pv[t] = (vt)(on[t] ? pt[t][j] : (PK_ACC_T)0);
                 #pragma unroll
                 for (int c = 0; c < NAV; ++c) {
                     const vt x = PK_CAT(vload, VEC)(c, AT_VROW(j));

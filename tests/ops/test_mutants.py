@@ -164,7 +164,7 @@ MUTANTS = {
         {"BK": 16, "VEC": 16, "PACK_KV": 1, "BQ": 1}, "float32"),
     "attention: P.V also runs rows with nothing to attend in the tile": (
         "attention",
-        "pv[t] = (vt)(all_on || on[t] ? pt[t][j] : (PK_ACC_T)0);", "pv[t] = (vt)(pt[t][j]);",
+        "pv[t] = (vt)(on[t] ? pt[t][j] : (PK_ACC_T)0);", "pv[t] = (vt)(pt[t][j]);",
         {"BK": 16, "VEC": 16}, "float32"),
     "attention: the denominators' lane sum drops a lane": (
         "attention", "e[i] += e[i + w];", "e[i] += (w == 1) ? (PK_ACC_T)0 : e[i + w];",
