@@ -536,6 +536,8 @@ class OclgrindBackend(OpenCLBackend):
         return plat.get_devices()[0]
 
 
+    advise_huge_pages = False  # its buffers live in the simulator, not in host pages
+
     def free_pooled_memory(self) -> int:
         return 0
 

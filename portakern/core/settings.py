@@ -317,6 +317,10 @@ class OpenCL(Group):
     pool = Switch(
         "PORTAKERN_OPENCL_POOL",
         "allocate OpenCL arrays from a memory pool (off: one clCreateBuffer each)")
+    hugepages = Switch(
+        "PORTAKERN_OPENCL_HUGEPAGES",
+        "ask Linux for transparent huge pages under large buffers of a CPU OpenCL device "
+        "(madvise; off: the OS's default pages)")
     icds = Text(
         "PORTAKERN_OPENCL_ICDS",
         "OpenCL ICD libraries loaded directly, beside those the ICD loader lists (paths "
