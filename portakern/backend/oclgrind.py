@@ -535,7 +535,6 @@ class OclgrindBackend(OpenCLBackend):
             raise BackendUnavailable("the Oclgrind simulator could not be loaded")
         return plat.get_devices()[0]
 
-
     advise_huge_pages = False  # its buffers live in the simulator, not in host pages
 
     def free_pooled_memory(self) -> int:

@@ -170,7 +170,7 @@ class OpenCLBackend(KernelBackend):
         Why: a CPU runtime's buffers are ordinary host pages, and Linux's default THP mode
         (madvise) gives an unadvised mapping 4 KiB pages. A kernel that reads a large buffer
         out of order then misses the TLB on every page: paged decode over a 1 GiB cache (B8 x
-        32768 tokens, pages in block-table order) ran 1.2-1.35x faster on PoCL and Intel's
+        32768 tokens, pages in block-table order) ran 1.2-1.4x faster on PoCL and Intel's
         runtime with the advice (2-core Zen 4), and no slower over 128 MiB. The buffer's host
         address comes from a map (a CPU device's map is its memory, no copy), taken once per
         buffer when it is made (the pool's reused blocks keep theirs), before anything writes
