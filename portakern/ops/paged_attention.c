@@ -147,6 +147,20 @@ PK_DEVICE_FN float pa_hmax8(float8 v) { return pa_hmax4(fmax(v.lo, v.hi)); }
  * one per row: ACC < RB gives RB), the schedule's register budget (AVX-512's 32 zmm: 16; AVX2's 16 ymm: 8 — beside them each
  * step holds a V vector and the rows' weights, and an accumulator that does not fit goes
  * through the stack on every key) */
+/* keys a chunk takes from each of its PAGES pages (tunable PAGES: the chunk's VEC keys are
+ * PA_KPP consecutive slots of PAGES consecutive pages of the table, read side by side) */
+#define PA_KPP (VEC / PAGES > 0 ? VEC / PAGES : 1)
+/* rw[j] = the row (in pages of Hkv * BS rows) of lane j's key in the chunk at slot s0 of the
+ * group of pages from gp; a lane past its page's keys, or past the split's pages, gets lane
+ * 0's row (lane 0's key always exists). The block table is read only for live lanes. (In the
+ * kernel: b, kvh, L, p_hi in scope.) */
+#define PA_ROWS(rw, gp, s0) do { \
+        _Pragma("unroll") for (int j_ = 0; j_ < VEC; ++j_) { \
+            const int u_ = j_ / PA_KPP, t_ = (s0) + j_ - u_ * PA_KPP; \
+            const int ok_ = (gp) + u_ < p_hi && t_ < BS && ((gp) + u_) * BS + t_ < L; \
+            rw[j_] = ok_ ? (PA_BLOCK((gp) + u_) * Hkv + kvh) * BS + t_ : rw[0]; \
+        } \
+    } while (0)
 #define PA_CG (ACC / RB < NAV ? (ACC / RB > 0 ? ACC / RB : 1) : NAV)
 #define NAV (DV / VEC)
 #endif
@@ -216,39 +230,30 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
         slope[r] = ok && AT_HAS(AT_BIT_ALIBI) ? SLOPES[PA_QH(r)] : 0.0f;
     }
     const pa_it lanes = PA_LANES;
-    for (int pg = p_lo; pg < p_hi; ++pg) {
-        const int blk = PA_BLOCK(pg);
-        const PK_GLOBAL PK_T_T* kp = KC + ((blk * Hkv + kvh) * BS) * DQ;
-        const PK_GLOBAL PK_T_T* vp = VC + ((blk * Hkv + kvh) * BS) * DV;
-        const int nkeys = min(BS, L - pg * BS); /* >= 1 */
-        for (int t0 = 0; t0 < nkeys; t0 += VEC) {
-            const int nk = min(VEC, nkeys - t0);
-            const PK_GLOBAL PK_T_T* kc = kp + t0 * DQ;
-            const PK_GLOBAL PK_T_T* vc = vp + t0 * DV;
-            /* The next chunk (this page's next VEC keys, else the next page's first): its K
-             * and V rows are prefetched a row at a time inside this chunk's loops, so their
-             * fetch overlaps this chunk's arithmetic. (Fetching a whole page in one burst
-             * stalls the core once the cache's miss buffers fill: the fetch and the
-             * arithmetic then add up instead of overlapping.) */
-            int nt0 = t0 + VEC, npg = pg;
-            if (nt0 >= nkeys) { nt0 = 0; npg = pg + 1; }
+    /* lane j of a chunk: page lpage[j] of its group of pages, slot t0 + lslot[j] */
+    const pa_it lpage = lanes / (pa_it)(PA_KPP);
+    const pa_it lslot = lanes - lpage * (pa_it)(PA_KPP);
+    for (int pg = p_lo; pg < p_hi; pg += PAGES) {
+        const int nk0 = min(BS, L - pg * BS); /* keys of the group's first page: the most */
+        for (int t0 = 0; t0 < nk0; t0 += PA_KPP) {
+            /* The chunk's row of every lane (a lane past its page's keys reads lane 0's row
+             * again, in bounds; its score is masked below), and the next chunk's (this
+             * group's next slots, else the next group's first) to prefetch. */
+            int row[VEC], nrow[VEC];
+            int nt0 = t0 + PA_KPP, npg = pg;
+            if (nt0 >= nk0) { nt0 = 0; npg = pg + PAGES; }
             const int has_next = npg < p_hi;
-            const int nblk = has_next ? PA_BLOCK(npg) : blk;
-            const int nnk = has_next ? min(VEC, min(BS, L - npg * BS) - nt0) : 1;
-            const PK_GLOBAL char* kn =
-                (const PK_GLOBAL char*)(KC + ((nblk * Hkv + kvh) * BS + nt0) * DQ);
-            const PK_GLOBAL char* vn =
-                (const PK_GLOBAL char*)(VC + ((nblk * Hkv + kvh) * BS + nt0) * DV);
+            PA_ROWS(row, pg, t0);
+            if (has_next) PA_ROWS(nrow, npg, nt0);
             /* Q.K^T, register-blocked: two keys at a time against every row, each K vector
-             * loaded (converted) once and used RB times from a register. Lanes past nk read
-             * key nk - 1 again (in bounds); their scores are masked below. */
+             * loaded (converted) once and used RB times from a register. */
             pa_vt part[RB][VEC];
             #pragma unroll 1
             for (int j = 0; j < VEC; j += 2) {
-                const int j0 = min(j, nk - 1), j1 = min(j + 1, nk - 1);
+                const int r0 = row[j], r1 = row[j + 1];
                 if (has_next) {
-                    PA_PREFETCH_ROW(kn + min(j, nnk - 1) * DQ * PA_ESZ, DQ * PA_ESZ);
-                    PA_PREFETCH_ROW(kn + min(j + 1, nnk - 1) * DQ * PA_ESZ, DQ * PA_ESZ);
+                    PA_PREFETCH_ROW((const PK_GLOBAL char*)(KC + nrow[j] * DQ), DQ * PA_ESZ);
+                    PA_PREFETCH_ROW((const PK_GLOBAL char*)(KC + nrow[j + 1] * DQ), DQ * PA_ESZ);
                 }
                 pa_vt s0[RB], s1[RB];
                 #pragma unroll
@@ -258,8 +263,8 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 }
                 #pragma unroll
                 for (int c = 0; c < NQV; ++c) {
-                    const pa_vt k0 = PA_VLOAD(kc + j0 * DQ + c * VEC);
-                    const pa_vt k1 = PA_VLOAD(kc + j1 * DQ + c * VEC);
+                    const pa_vt k0 = PA_VLOAD(KC + r0 * DQ + c * VEC);
+                    const pa_vt k1 = PA_VLOAD(KC + r1 * DQ + c * VEC);
                     #pragma unroll
                     for (int r = 0; r < RB; ++r) {
                         s0[r] = fma(qv[r][c], k0, s0[r]);
@@ -272,10 +277,11 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                     part[r][j + 1] = s1[r];
                 }
             }
-            const pa_it kposv = (pa_it)(pg * BS + t0) + lanes;
-            /* (lanes past nk: the next page's positions when VEC > BS, which causal alone
-             * would keep) */
-            const pa_it live = lanes < (pa_it)(nk);
+            const pa_it kposv = (pa_it)(pg * BS + t0) + lpage * (pa_it)(BS) + lslot;
+            /* (a lane past its page's slots would read as the next page's position, which
+             * causal alone would keep) */
+            const pa_it live = (lslot < (pa_it)(BS - t0)) & (kposv < (pa_it)(L))
+                               & (lpage < (pa_it)(p_hi - pg));
             pa_vt wv[RB]; /* the chunk's weights per row, lane j = key t0 + j */
             #pragma unroll
             for (int r = 0; r < RB; ++r) {
@@ -284,11 +290,13 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 pa_vt sv;
                 if (AT_HAS_MOD || AT_HAS(AT_BIT_WIN)) { /* modifiers, a window: lane by lane */
                     const float* dj = (const float*)&dots;
+                    const int* kpj = (const int*)&kposv;
+                    const int* lvj = (const int*)&live;
                     sv = (pa_vt)(-PK_INFINITY);
                     #pragma unroll
                     for (int j = 0; j < VEC; ++j) {
-                        const int kpos = pg * BS + t0 + j;
-                        if (j < nk && PA_KEEP(qpos[r], kpos))
+                        const int kpos = kpj[j];
+                        if (lvj[j] && PA_KEEP(qpos[r], kpos))
                             sv = select(sv, (pa_vt)(PA_SCORE(dj[j], brow[r], qpos[r], kpos,
                                                              slope[r])), lanes == (pa_it)(j));
                     }
@@ -328,13 +336,13 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                         if (c0 + i < NAV) a[r][i] = acc[r][c0 + i];
                 #pragma unroll 1
                 for (int j = 0; j < VEC; ++j) {
-                    const int jj = min(j, nk - 1);
+                    const int rj = row[j];
                     if (c0 == 0 && has_next)
-                        PA_PREFETCH_ROW(vn + min(j, nnk - 1) * DV * PA_ESZ, DV * PA_ESZ);
+                        PA_PREFETCH_ROW((const PK_GLOBAL char*)(VC + nrow[j] * DV), DV * PA_ESZ);
                     #pragma unroll
                     for (int i = 0; i < PA_CG; ++i) {
                         if (c0 + i < NAV) {
-                            const pa_vt x = PA_VLOAD(vc + jj * DV + (c0 + i) * VEC);
+                            const pa_vt x = PA_VLOAD(VC + rj * DV + (c0 + i) * VEC);
                             #pragma unroll
                             for (int r = 0; r < RB; ++r)
                                 a[r][i] = fma((pa_vt)(w[r * VEC + j]), x, a[r][i]);
@@ -361,12 +369,14 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                         #pragma unroll
                         for (int i = 0; i < PA_CG; ++i)
                             if (c0 + i < NAV) a[r][i] = acc[r][c0 + i];
-                    for (int j = 0; j < nk; ++j) {
+                    const int* kpj = (const int*)&kposv;
+                    const int* lvj = (const int*)&live;
+                    for (int j = 0; j < VEC; ++j) { /* a dead lane weighs 0: adds 0 */
                         int vbad = 0;
                         #pragma unroll
                         for (int i = 0; i < PA_CG; ++i) {
                             if (c0 + i < NAV) {
-                                const pa_vt x = PA_VLOAD(vc + j * DV + (c0 + i) * VEC);
+                                const pa_vt x = PA_VLOAD(VC + row[j] * DV + (c0 + i) * VEC);
                                 const pa_it ok = isequal(x - x, (pa_vt)(0.0f));
                                 vbad |= !all(ok);
                                 const pa_vt xz = select((pa_vt)(0.0f), x, ok);
@@ -375,10 +385,10 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                                     a[r][i] = fma((pa_vt)(w[r * VEC + j]), xz, a[r][i]);
                             }
                         }
-                        if (vbad)
+                        if (vbad && lvj[j])
                             #pragma unroll
                             for (int r = 0; r < RB; ++r)
-                                poison[r] |= PA_KEEP(qpos[r], pg * BS + t0 + j);
+                                poison[r] |= PA_KEEP(qpos[r], kpj[j]);
                     }
                 }
                 #pragma unroll

@@ -286,6 +286,17 @@ def splits(p: Problem, cfg: Mapping[str, int]) -> tuple[int, int]:
     return cdiv(mb, pps), pps
 
 
+def pages_per_chunk(p: Problem, cfg: Mapping[str, int]) -> int:
+    """PAGES, compile-time: the schedule's, or (PAGES = 0) as many pages as fill a chunk of
+    VEC keys when a page holds fewer: VEC / the largest power of two <= BS (pages of 8 tokens
+    under 16 lanes: 2 pages a chunk, where one left half the lanes idle; 1.7x in cache on a
+    Zen 4, docs/decode.md)."""
+    if cfg.get("PAGES", 0):
+        return cfg["PAGES"]
+    vec, bs = max(cfg["VEC"], 1), max(p.derived["BS"], 1)
+    return max(1, vec // min(vec, 1 << (bs.bit_length() - 1)))
+
+
 def _store_kind(dtype: str) -> int:
     return {"float16": 1, "bfloat16": 2}.get(dtype, 0)
 
@@ -293,6 +304,7 @@ def _store_kind(dtype: str) -> int:
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
     return {"WG": cfg["WG"], "VEC": cfg["VEC"], "RB": rows_per_group(p, cfg),
             "ACC": cfg["ACC"], "PF": cfg.get("PF", 0),
+            "PAGES": pages_per_chunk(p, cfg),
             "DQ": p.derived["D"], "DV": p.derived["Dv"], "PA_ST": _store_kind(p.dtype),
             "PA_SPLIT": int(splits(p, cfg)[0] > 1),
             "AT_MODS": int(attention.score_mods(p) != 0)}
@@ -532,14 +544,18 @@ SPEC = KernelSpec(
               Tunable("SPLIT", (0, 1, 2, 4, 8, 16, 32, 64, 128), "key splits: 0 from the "
                       "device's compute units, 1 unsplit, n forced"),
               Tunable("PF", (0, 1), "the next chunk's prefetch (CPU path): 0 non-temporal "
-                      "(prefetchnta), 1 into the outer caches (prefetcht2)")),
-    schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "ACC": 16, "SPLIT": 0, "PF": 0},
+                      "(prefetchnta), 1 into the outer caches (prefetcht2)"),
+              Tunable("PAGES", (0, 1, 2, 4, 8, 16), "pages read side by side (CPU path): a "
+                      "chunk's VEC keys are VEC / PAGES slots of each of PAGES consecutive "
+                      "pages; 0: enough pages to fill the chunk when a page is shorter")),
+    schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "ACC": 16, "SPLIT": 0, "PF": 0, "PAGES": 0},
                # CPU: VEC 16 (zmm on AVX-512; 8 is 15-20% slower at 32768 tokens there);
                # the next chunk into L2 (PF 1: 1.5-1.9x on a Zen 4, docs/decode.md)
-               "cpu": {"WG": 1, "VEC": 16, "RB": 8, "ACC": 16, "SPLIT": 0, "PF": 1},
+               "cpu": {"WG": 1, "VEC": 16, "RB": 8, "ACC": 16, "SPLIT": 0, "PF": 1, "PAGES": 0},
                # AVX2: ymm vectors, and 16 of them: P.V keeps 8 accumulators, not 16 (which
                # spilled: 10-20% slower, docs/decode.md); prefetchnta measured best there
-               "cpu256": {"WG": 1, "VEC": 8, "RB": 8, "ACC": 8, "SPLIT": 0, "PF": 0}},
+               "cpu256": {"WG": 1, "VEC": 8, "RB": 8, "ACC": 8, "SPLIT": 0, "PF": 0,
+                          "PAGES": 0}},
     fit_device=fit_device,
     check_values=check_operand_values,
     unspecified_nonfinite=True,

@@ -146,6 +146,10 @@ SPLIT_CONFIGS = [{"SPLIT": 1}, {"SPLIT": 4}, {"SPLIT": 128},
                  # the P.V register budget: one accumulator vector per row (ACC < RB), and
                  # four per row (two groups of D / VEC = 8)
                  {"VEC": 8, "ACC": 4, "SPLIT": 1}, {"VEC": 4, "ACC": 32, "SPLIT": 4},
+                 # a chunk's keys from 2 or 4 pages side by side; 40 pages in 4 splits of
+                 # 10: each split's last group of 4 pages has 2 past the split's end
+                 {"PAGES": 2, "SPLIT": 1}, {"PAGES": 4, "SPLIT": 4},
+                 {"PAGES": 4, "VEC": 8, "SPLIT": 1},
                  {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 1},
                  {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 8}]
 
@@ -181,6 +185,19 @@ def test_a_head_size_the_register_groups_do_not_divide(kernel_target: str,
     a = paged(np.random.default_rng(5), B=2, Hq=4, Hkv=1, Sq=2, D=40, BS=16, MB=12,
               lens=[150, 37])
     check(a, {}, kernel_target, cfg)
+
+
+def test_automatic_pages_fill_the_chunk() -> None:
+    """PAGES = 0: a chunk of VEC keys takes as many pages as it needs when a page is
+    shorter than the chunk (pages of 8 under 16 lanes: 2; of 12: 2, slots 8-15 of the
+    second chunk dead), one when a page is as long or longer; a forced PAGES stays."""
+    def pages(bs: int, vec: int, forced: int = 0) -> int:
+        ex, _ = pa.example("float16", B=1, MB=8, BS=bs)
+        prob = SPEC.problem(ex, dict(SPEC.params))
+        return pa.pages_per_chunk(prob, {**SPEC.schedules["cpu"], "VEC": vec, "PAGES": forced})
+
+    assert [pages(bs, 16) for bs in (1, 4, 8, 12, 16, 32)] == [16, 4, 2, 2, 1, 1]
+    assert pages(8, 8) == 1 and pages(4, 8) == 2 and pages(16, 16, forced=4) == 4
 
 
 def test_automatic_split_follows_the_compute_units() -> None:
@@ -284,7 +301,7 @@ _UNCHECKED: list[object] = []
 
 
 @pytest.mark.simulator
-@pytest.mark.parametrize("schedule", ["gpu", "cpu", "cpu256"])
+@pytest.mark.parametrize("schedule", ["gpu", "cpu", "cpu256", "cpu-PAGES4"])
 def test_simulator_split_and_unchecked_bad_tables(schedule: str) -> None:
     """Unsplit and split on Oclgrind; then tables no check has seen (a copy of the spec
     without check_values): ids past the pool, negative ids, lengths past the table.
@@ -293,7 +310,8 @@ def test_simulator_split_and_unchecked_bad_tables(schedule: str) -> None:
     _simulator()
     rng = np.random.default_rng(3)
     a = paged(rng, B=2, Hq=2, Hkv=1, Sq=2, D=16, BS=4, MB=5, lens=[6, 20], pad=None)
-    cfg = dict(SPEC.schedules[schedule])
+    name, _, pages = schedule.partition("-PAGES")
+    cfg = {**SPEC.schedules[name], **({"PAGES": int(pages)} if pages else {})}
     for split in (1, 2):
         check(a, {}, SIM, {**cfg, "SPLIT": split, "WG": min(cfg["WG"], 32)})
     bad = {**a, "block_table": a["block_table"].copy(), "seq_lens": np.array([-5, 99], np.int32)}
@@ -363,8 +381,15 @@ MUTANTS = {
         "if (!all(isequal(bad - bad, (pa_vt)(0.0f)))) {", "if (0) {",
         {"SPLIT": 1, "VEC": 8, "ACC": 8}),
     "a chunk longer than the page keeps lanes past the page's last key": (
-        "const pa_it live = lanes < (pa_it)(nk);", "const pa_it live = lanes < (pa_it)(VEC);",
-        {"SPLIT": 1, "VEC": 16}),
+        "const pa_it live = (lslot < (pa_it)(BS - t0)) & ", "const pa_it live = ",
+        {"SPLIT": 1, "VEC": 16, "PAGES": 1}),
+    # a chunk's keys from several pages (PAGES)
+    "every lane of a chunk reads the group's first page": (
+        "rw[j_] = ok_ ? (PA_BLOCK((gp) + u_) * Hkv", "rw[j_] = ok_ ? (PA_BLOCK(gp) * Hkv",
+        {"SPLIT": 1, "VEC": 16, "PAGES": 4}),
+    "a split's last group keeps lanes of pages past the split's end": (
+        "\n                               & (lpage < (pa_it)(p_hi - pg));", ";",
+        {"SPLIT": 8, "VEC": 16, "PAGES": 4}),  # 10 pages a split: groups of 4, 4, 2
 }
 
 
