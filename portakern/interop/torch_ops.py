@@ -82,6 +82,8 @@ class _Entry:
     op: Any = None  # torch.ops.portakern.<name>
     custom: Any = None  # the CustomOpDef
     has_autograd: bool = False
+    # (the spec it was written for, setup_context, backward): the gradient formula
+    autograd: tuple[KernelSpec, Callable[..., Any] | None, Callable[..., Any]] | None = None
     names: tuple[str, ...] = field(default=())
 
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
@@ -149,9 +151,9 @@ def register(op: str | KernelSpec, *, backward: Callable[..., Any] | None = None
         if entry is None:
             entry = _define(spec, param_types, outputs)
             _ENTRIES[spec.name] = entry
-        if backward is not None and not entry.has_autograd:
-            entry.custom.register_autograd(backward, setup_context=setup_context)
-            entry.has_autograd = True
+        _switch_spec(entry, spec)
+        if backward is not None:
+            _register_autograd(entry, setup_context, backward)
         return entry.op
 
 
@@ -197,9 +199,39 @@ def _define(spec: KernelSpec, param_types: Mapping[str, str] | None,
     entry.op = getattr(getattr(torch.ops, NAMESPACE), spec.name)
     auto = _AUTOGRAD.get(spec.name)
     if auto is not None and OPS.get(spec.name) is spec:  # the built-in op, not a namesake
-        custom.register_autograd(auto[1], setup_context=auto[0])
-        entry.has_autograd = True
+        _register_autograd(entry, auto[0], auto[1])
     return entry
+
+
+def _register_autograd(entry: _Entry, setup: Callable[..., Any] | None,
+                       backward: Callable[..., Any]) -> None:
+    """Give the custom op a gradient formula, for the spec it runs now only. torch keeps a
+    custom op's autograd for good, while ``pk.register_op(..., replace=True)`` swaps the spec
+    under the same name: a call of the new spec must not take the old one's gradient
+    silently (half the true gradient, for a softmax of 2x), so its backward says so, until a
+    formula is registered for it (a later call here replaces the formula)."""
+    entry.autograd = (entry.spec, setup, backward)
+    if entry.has_autograd:
+        return  # the wrappers below read entry.autograd on each call
+
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        formula = entry.autograd
+        ctx.pk_formula = formula if formula is not None and formula[0] is entry.spec else None
+        if ctx.pk_formula is not None and ctx.pk_formula[1] is not None:
+            ctx.pk_formula[1](ctx, inputs, output)
+
+    def guarded_backward(ctx: Any, *grads: Any) -> Any:
+        if ctx.pk_formula is None:
+            name = entry.spec.name
+            raise InvalidArgumentError(
+                f"{name}: no gradient for this spec of {name!r}: the torch gradient formula "
+                "was written for the spec it replaced (pk.register_op(..., replace=True)); "
+                "give the new spec its own: portakern.torch.register(spec, backward=..., "
+                "setup_context=...).")
+        return ctx.pk_formula[2](ctx, *grads)
+
+    entry.custom.register_autograd(guarded_backward, setup_context=setup_context)
+    entry.has_autograd = True
 
 
 # --- the implementations ------------------------------------------------------------------
@@ -338,19 +370,29 @@ def _fake(entry: _Entry, vals: Sequence[Any]) -> Any:
 
 # --- the public functions' path for torch tensors --------------------------------------------
 def _entry_for(op: str | KernelSpec) -> _Entry:
-    name = op.name if isinstance(op, KernelSpec) else op
-    entry = _ENTRIES.get(name)
+    """The custom op that runs ``op``, running the spec the call means: the one given, or
+    the registry's under that name *now* (a spec replaced since its torch op was defined
+    runs as replaced, as it does on arrays)."""
+    spec = op if isinstance(op, KernelSpec) else get_op(op)
+    entry = _ENTRIES.get(spec.name)
     if entry is None:
-        register(op)
-        entry = _ENTRIES[name]
-    elif isinstance(op, KernelSpec) and op is not entry.spec:
-        if op.operands != entry.spec.operands or dict(op.params) != dict(entry.spec.params):
-            raise InvalidArgumentError(
-                f"{name}: a different spec of this name is already torch.ops.portakern."
-                f"{name}, with other operands or parameters; torch cannot redefine a custom "
-                "op: register the new spec under another name.")
-        entry.spec = op
+        register(spec)
+        entry = _ENTRIES[spec.name]
+    _switch_spec(entry, spec)
     return entry
+
+
+def _switch_spec(entry: _Entry, spec: KernelSpec) -> None:
+    """The custom op runs ``spec`` from now on: a namesake with the same operands and
+    parameters (the schema torch fixed when the op was defined); any other is refused."""
+    if spec is entry.spec:
+        return
+    if spec.operands != entry.spec.operands or dict(spec.params) != dict(entry.spec.params):
+        raise InvalidArgumentError(
+            f"{spec.name}: a different spec of this name is already torch.ops.portakern."
+            f"{spec.name}, with other operands or parameters; torch cannot redefine a "
+            "custom op: register the new spec under another name.")
+    entry.spec = spec
 
 
 def _selector_text(backend: Any) -> str | None:
@@ -412,6 +454,7 @@ def call(op: str | KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any], b
         v = kw.pop(k, d)
         if t == "int[]?" and isinstance(v, (list, tuple)) and len(v) == 2 and v[1] is None:
             v = [v[0]]  # (left, None): a window with no right edge, as the list [left]
+        v = _plain(v)
         if not _fits(v, t):  # the spec's validation names what is wrong
             _validate(entry, vals, {k: v})
             raise InvalidArgumentError(f"{spec.name}: {k}={v!r} does not fit the custom op's "
@@ -441,6 +484,18 @@ def call(op: str | KernelSpec, args: Sequence[Any], kwargs: Mapping[str, Any], b
             f"{spec.name}: only all of {entry.selectors} or none may be set on torch tensors; "
             f"call torch.ops.{NAMESPACE}.{spec.name} (it returns every output) and pick.")
     return res[0] if entry.n_default == 1 else tuple(res[:entry.n_default])
+
+
+def _plain(v: Any) -> Any:
+    """numpy scalars (an ``np.int64`` axis, an ``np.float32`` eps, an ``np.bool_``) as the
+    Python scalars a custom op's schema takes, as the array path accepts them; lists and
+    tuples item by item (a window)."""
+    if isinstance(v, np.generic) and v.shape == ():
+        if isinstance(v, (np.bool_, np.integer, np.floating)):
+            return v.item()
+    if isinstance(v, (list, tuple)):
+        return type(v)(_plain(x) for x in v)
+    return v
 
 
 def _fits(v: Any, t: str) -> bool:
@@ -519,16 +574,30 @@ def _rmsnorm_setup(ctx: Any, inputs: Sequence[Any], output: Any) -> None:
     ctx.save_for_backward(vals[0], vals[1])
 
 
+def _rms_inverse(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """r = (mean(x^2) + eps)^(-1/2) per row, with no overflow or underflow in x^2: the row
+    scaled by its largest |x| first (x ~ 1e20 squared overflows float32; the forward splits
+    such rows the same way). s > 1: r = (mean((x/s)^2) + eps/s^2)^(-1/2) / s; else the
+    square of the scaled mean times s^2, which cannot overflow."""
+    s = x.abs().amax(-1, keepdim=True) if x.shape[-1] else x.new_zeros((*x.shape[:-1], 1))
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    ms = (x / s).square().mean(-1, keepdim=True)
+    return torch.where(s > 1, torch.rsqrt(ms + eps / s.square()) / s,
+                       torch.rsqrt(ms * s.square() + eps))
+
+
 def _rmsnorm_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-    # y = w * x * r, r = (mean(x^2) + eps)^(-1/2), dr/dx_j = -r^3 x_j / n:
-    # dx = r * (g w) - x * r^3 * mean(g w x); dw = sum over rows of g * x * r
+    # y = w * x * r, r = (mean(x^2) + eps)^(-1/2), dr/dx_j = -r^3 x_j / n; with xn = x r:
+    # dx = r * (g w - xn * mean(g w xn)) (r^3 alone underflows for large x); dw = sum g xn
     x, w = ctx.saved_tensors
     ct = _compute(x)
     xc, wc, gc = x.to(ct), w.to(ct), g.to(ct)
-    r = torch.rsqrt(xc.square().mean(-1, keepdim=True) + ctx.eps)
+    r = _rms_inverse(xc, ctx.eps)
+    xn = xc * r
     gw = gc * wc
-    dx = r * gw - xc * r.pow(3) * (gw * xc).mean(-1, keepdim=True)
-    dw = (gc * xc * r).reshape(-1, x.shape[-1]).sum(0)
+    dx = r * (gw - xn * (gw * xn).mean(-1, keepdim=True))
+    n = x.shape[-1]
+    dw = (gc * xn).reshape(-1, n).sum(0) if x.numel() else wc.new_zeros(wc.shape)
     return dx.to(x.dtype), dw.to(w.dtype), None, None, None
 
 

@@ -241,6 +241,89 @@ def test_a_user_op_becomes_a_custom_op_with_the_autograd_it_is_given(
             lambda a, b: torch.ops.portakern.torch_scaled_sum(a, b, 3.0), (x, y))
 
 
+def test_a_replaced_op_runs_as_replaced_and_never_takes_the_old_gradient() -> None:
+    """pk.register_op(..., replace=True) under a name torch already has: tensors run the new
+    spec, by name or by spec, as arrays do (they ran the old one); its backward refuses
+    (torch keeps the built-in's formula, which gave half the true gradient of a softmax of
+    2x) until a formula is registered for it; restored, the built-in's gradient is back."""
+    from portakern.ops import get_op
+
+    original = get_op("softmax")
+    doubled = original.replace(
+        semantics=lambda xp, x, axis=-1: original.semantics(xp, 2 * x, axis=axis))
+    x = _t(2, 5, dtype=torch.float64)
+    weights = torch.arange(5.0, dtype=torch.float64)
+    pk.register_op(doubled, replace=True)
+    try:
+        with pk.use("numpy"):
+            expected = torch.softmax(2 * x, -1)
+            torch.testing.assert_close(pk.softmax(x), expected)
+            torch.testing.assert_close(pk.call("softmax", x), expected)
+            xr = x.clone().requires_grad_(True)
+            y = pk.call(doubled, xr)
+            torch.testing.assert_close(y.detach(), expected)
+            with pytest.raises(pk.InvalidArgumentError, match="no gradient for this spec"):
+                (y * weights).sum().backward()
+
+            def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+                (out,) = ctx.saved_tensors
+                return 2 * out * (g - (g * out).sum(-1, keepdim=True)), None, None, None
+
+            pkt.register(doubled, backward=backward,
+                         setup_context=lambda ctx, inputs, output: ctx.save_for_backward(output))
+            xr = x.clone().requires_grad_(True)
+            (g,) = torch.autograd.grad((pk.softmax(xr) * weights).sum(), xr)
+            xt = x.clone().requires_grad_(True)
+            (want,) = torch.autograd.grad((torch.softmax(2 * xt, -1) * weights).sum(), xt)
+            torch.testing.assert_close(g, want)
+    finally:
+        pk.register_op(original, replace=True)
+        pkt.register(original, backward=torch_ops._softmax_backward,
+                     setup_context=torch_ops._softmax_setup)
+    with pk.use("numpy"):
+        xr = x.clone().requires_grad_(True)
+        torch.testing.assert_close(pk.softmax(xr).detach(), torch.softmax(x, -1))
+        assert torch.autograd.gradcheck(lambda a: pk.softmax(a), (xr,))
+
+
+def test_rmsnorm_gradient_of_huge_rows_and_of_empty_ones() -> None:
+    """The backward's mean of squares overflowed float32 for |x| ~ 1e19 (r = 0: dx and dw
+    silently 0, the forward right); an empty last dimension crashed in a reshape."""
+    import torch.nn.functional as F
+
+    base = _t(2, 8, dtype=torch.float64)
+    for scale in (1e-30, 1.0, 1e20, 1e30):
+        x = (base * scale).float().requires_grad_(True)
+        w = torch.linspace(0.5, 2.0, 8).requires_grad_(True)
+        xd = x.detach().double().requires_grad_(True)
+        wd = w.detach().double().requires_grad_(True)
+        g = torch.arange(16.0).reshape(2, 8)
+        with pk.use("numpy"):
+            (pk.rmsnorm(x, w) * g).sum().backward()
+        (F.rms_norm(xd, (8,), wd, eps=1e-6) * g.double()).sum().backward()
+        assert x.grad is not None and w.grad is not None and xd.grad is not None
+        torch.testing.assert_close(w.grad.double(), wd.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-4,
+                                   atol=1e-5 * float(xd.grad.abs().max()))
+    x0, w0 = torch.zeros(3, 0, requires_grad=True), torch.zeros(0, requires_grad=True)
+    with pk.use("numpy"):
+        pk.rmsnorm(x0, w0).sum().backward()
+    assert x0.grad is not None and x0.grad.shape == (3, 0)
+    assert w0.grad is not None and w0.grad.shape == (0,)
+
+
+def test_numpy_scalars_pass_as_parameters_as_on_arrays() -> None:
+    x = _t(3, 4)
+    with pk.use("numpy"):
+        torch.testing.assert_close(pk.softmax(x, axis=np.int64(0)), pk.softmax(x, axis=0))
+        torch.testing.assert_close(pk.rmsnorm(x, torch.ones(4), eps=np.float32(1e-5)),
+                                   pk.rmsnorm(x, torch.ones(4), eps=1e-5))
+        q = _t(1, 2, 4, 8)
+        torch.testing.assert_close(pk.attention(q, q, q, causal=np.bool_(True),
+                                                window=np.int64(1)),
+                                   pk.attention(q, q, q, causal=True, window=1))
+
+
 # --- autograd ------------------------------------------------------------------------------
 def test_gradcheck_float64_on_numpy() -> None:
     """Every built-in's backward against finite differences, float64 on the numpy backend."""
