@@ -149,7 +149,8 @@ PK_DEVICE_FN float pa_hmax8(float8 v) { return pa_hmax4(fmax(v.lo, v.hi)); }
  * through the stack on every key) */
 /* keys a chunk takes from each of its PAGES pages (tunable PAGES: the chunk's VEC keys are
  * PA_KPP consecutive slots of PAGES consecutive pages of the table, read side by side) */
-#define PA_KPP (VEC / PAGES > 0 ? VEC / PAGES : 1)
+#define PA_PAGES (PAGES < VEC ? (PAGES > 0 ? PAGES : 1) : VEC) /* a chunk spans <= VEC pages */
+#define PA_KPP (VEC / PA_PAGES)
 /* rw[j] = the row (in pages of Hkv * BS rows) of lane j's key in the chunk at slot s0 of the
  * group of pages from gp; a lane past its page's keys, or past the split's pages, gets lane
  * 0's row (lane 0's key always exists). The block table is read only for live lanes. (In the
@@ -233,7 +234,7 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
     /* lane j of a chunk: page lpage[j] of its group of pages, slot t0 + lslot[j] */
     const pa_it lpage = lanes / (pa_it)(PA_KPP);
     const pa_it lslot = lanes - lpage * (pa_it)(PA_KPP);
-    for (int pg = p_lo; pg < p_hi; pg += PAGES) {
+    for (int pg = p_lo; pg < p_hi; pg += PA_PAGES) {
         const int nk0 = min(BS, L - pg * BS); /* keys of the group's first page: the most */
         for (int t0 = 0; t0 < nk0; t0 += PA_KPP) {
             /* The chunk's row of every lane (a lane past its page's keys reads lane 0's row
@@ -241,7 +242,7 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
              * group's next slots, else the next group's first) to prefetch. */
             int row[VEC], nrow[VEC];
             int nt0 = t0 + PA_KPP, npg = pg;
-            if (nt0 >= nk0) { nt0 = 0; npg = pg + PAGES; }
+            if (nt0 >= nk0) { nt0 = 0; npg = pg + PA_PAGES; }
             const int has_next = npg < p_hi;
             PA_ROWS(row, pg, t0);
             if (has_next) PA_ROWS(nrow, npg, nt0);
@@ -279,9 +280,16 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
             }
             const pa_it kposv = (pa_it)(pg * BS + t0) + lpage * (pa_it)(BS) + lslot;
             /* (a lane past its page's slots would read as the next page's position, which
-             * causal alone would keep) */
-            const pa_it live = (lslot < (pa_it)(BS - t0)) & (kposv < (pa_it)(L))
-                               & (lpage < (pa_it)(p_hi - pg));
+             * causal alone would keep; a lane of a page past the split's end, as a key of the
+             * next split.) Each term only where it can be false: with one slot a page, or one
+             * page a chunk, it compares a constant, and Oclgrind 21.10 runs that splat wrong. */
+            pa_it live = kposv < (pa_it)(L);
+#if PA_KPP > 1
+            live &= lslot < (pa_it)(BS - t0);
+#endif
+#if PA_PAGES > 1
+            live &= lpage < (pa_it)(p_hi - pg);
+#endif
             pa_vt wv[RB]; /* the chunk's weights per row, lane j = key t0 + j */
             #pragma unroll
             for (int r = 0; r < RB; ++r) {

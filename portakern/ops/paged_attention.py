@@ -241,6 +241,10 @@ def check_operand_values(arrays: Mapping[str, Any]) -> None:
     shape_q, shape_k = getattr(q, "shape", None), getattr(k, "shape", None)
     if shape_q is None or shape_k is None or len(shape_q) != 4 or len(shape_k) != 4:
         return
+    table = getattr(arrays.get("block_table"), "shape", None)
+    if shape_q[0] * shape_q[2] > 0 and (shape_k[0] == 0 or shape_k[2] == 0
+                                        or (table is not None and 0 in tuple(table)[1:])):
+        return  # queries and no pages: validation's ShapeError says so, not a range of [2, 0]
     check_tables(arrays.get("block_table"), arrays.get("seq_lens"), int(shape_k[0]),
                  int(shape_k[2]), int(shape_q[2]))
 
@@ -290,10 +294,11 @@ def pages_per_chunk(p: Problem, cfg: Mapping[str, int]) -> int:
     """PAGES, compile-time: the schedule's, or (PAGES = 0) as many pages as fill a chunk of
     VEC keys when a page holds fewer: VEC / the largest power of two <= BS (pages of 8 tokens
     under 16 lanes: 2 pages a chunk, where one left half the lanes idle; 1.7x in cache on a
-    Zen 4, docs/decode.md)."""
-    if cfg.get("PAGES", 0):
-        return cfg["PAGES"]
+    Zen 4, docs/decode.md). Never more than VEC (the kernel clamps too: a group of more
+    pages than a chunk's lanes would skip the pages past them)."""
     vec, bs = max(cfg["VEC"], 1), max(p.derived["BS"], 1)
+    if cfg.get("PAGES", 0):
+        return min(cfg["PAGES"], vec)  # a chunk of VEC keys spans at most VEC pages
     return max(1, vec // min(vec, 1 << (bs.bit_length() - 1)))
 
 

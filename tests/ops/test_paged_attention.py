@@ -150,6 +150,8 @@ SPLIT_CONFIGS = [{"SPLIT": 1}, {"SPLIT": 4}, {"SPLIT": 128},
                  # 10: each split's last group of 4 pages has 2 past the split's end
                  {"PAGES": 2, "SPLIT": 1}, {"PAGES": 4, "SPLIT": 4},
                  {"PAGES": 4, "VEC": 8, "SPLIT": 1},
+                 # one key a page (VEC 4, PAGES 4), and more pages asked than lanes (16 > 8)
+                 {"PAGES": 4, "VEC": 4, "SPLIT": 1}, {"PAGES": 16, "VEC": 8, "SPLIT": 4},
                  {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 1},
                  {"WG": 32, "VEC": 1, "RB": 4, "SPLIT": 8}]
 
@@ -198,6 +200,7 @@ def test_automatic_pages_fill_the_chunk() -> None:
 
     assert [pages(bs, 16) for bs in (1, 4, 8, 12, 16, 32)] == [16, 4, 2, 2, 1, 1]
     assert pages(8, 8) == 1 and pages(4, 8) == 2 and pages(16, 16, forced=4) == 4
+    assert pages(16, 8, forced=16) == 8  # never more pages than a chunk has lanes
 
 
 def test_automatic_split_follows_the_compute_units() -> None:
@@ -259,6 +262,13 @@ def test_malformed_tables_are_refused_by_validation() -> None:
         pk.paged_attention(**a, bias=np.zeros((8, 1, 95), np.float32), backend="numpy")
     with pytest.raises(pk.InvalidArgumentError, match="paged_attention: window"):
         pk.paged_attention(**a, window=-1, backend="numpy")
+    # queries and no pages (no blocks, pages of 0 tokens, an empty table): the shape's
+    # error, not a table value's "outside [2, 0]"
+    for edit in ({"k_cache": a["k_cache"][:0], "v_cache": a["v_cache"][:0]},
+                 {"k_cache": a["k_cache"][:, :, :0], "v_cache": a["v_cache"][:, :, :0]},
+                 {"block_table": a["block_table"][:, :0]}):
+        with pytest.raises(pk.ShapeError, match="needs pages"):
+            pk.paged_attention(**{**a, **edit}, backend="numpy")
 
 
 def test_device_tables_are_checked_from_a_host_copy() -> None:
@@ -301,7 +311,8 @@ _UNCHECKED: list[object] = []
 
 
 @pytest.mark.simulator
-@pytest.mark.parametrize("schedule", ["gpu", "cpu", "cpu256", "cpu-PAGES4"])
+@pytest.mark.parametrize("schedule", ["gpu", "cpu", "cpu256", "cpu-PAGES4", "cpu-PAGES16",
+                                      "cpu256-PAGES16"])
 def test_simulator_split_and_unchecked_bad_tables(schedule: str) -> None:
     """Unsplit and split on Oclgrind; then tables no check has seen (a copy of the spec
     without check_values): ids past the pool, negative ids, lengths past the table.
@@ -381,14 +392,14 @@ MUTANTS = {
         "if (!all(isequal(bad - bad, (pa_vt)(0.0f)))) {", "if (0) {",
         {"SPLIT": 1, "VEC": 8, "ACC": 8}),
     "a chunk longer than the page keeps lanes past the page's last key": (
-        "const pa_it live = (lslot < (pa_it)(BS - t0)) & ", "const pa_it live = ",
+        "            live &= lslot < (pa_it)(BS - t0);\n", "",
         {"SPLIT": 1, "VEC": 16, "PAGES": 1}),
     # a chunk's keys from several pages (PAGES)
     "every lane of a chunk reads the group's first page": (
         "rw[j_] = ok_ ? (PA_BLOCK((gp) + u_) * Hkv", "rw[j_] = ok_ ? (PA_BLOCK(gp) * Hkv",
         {"SPLIT": 1, "VEC": 16, "PAGES": 4}),
     "a split's last group keeps lanes of pages past the split's end": (
-        "\n                               & (lpage < (pa_it)(p_hi - pg));", ";",
+        "            live &= lpage < (pa_it)(p_hi - pg);\n", "",
         {"SPLIT": 8, "VEC": 16, "PAGES": 4}),  # 10 pages a split: groups of 4, 4, 2
 }
 
