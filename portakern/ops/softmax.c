@@ -35,7 +35,8 @@
 #endif
 #if VEC > 1 && PK_HAS_VECTOR
 /* x > m ? x : m lane by lane: one x86 maxps, where fmax's NaN rule costs a compare and a
- * blend more. A NaN x is dropped here as fmax drops it (it turns the row NaN in pass 2). */
+ * blend more. A NaN x is dropped here as fmax drops it: it turns the row NaN in pass 2, or,
+ * when every other value is -inf, through the check after the max pass. */
 PK_DEVICE_FN PK_CAT(PK_ACC_T, VEC) sm_vmax(PK_CAT(PK_ACC_T, VEC) m, PK_CAT(PK_ACC_T, VEC) x)
 {
     return select(m, x, x > m);
@@ -90,7 +91,7 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
 #endif
         if (nv > 0) {
             /* fmax drops NaN here; a NaN still turns the whole row NaN in pass 2, where
-             * exp(NaN - max) enters the sum */
+             * exp(NaN - max) enters the sum (a row of NaN and -inf: below) */
             /* four independent maxima: one chain of compare-and-select would wait its
              * latency on every vector */
             svt mv = (svt)(-PK_INFINITY), mv1 = mv, mv2 = mv, mv3 = mv;
@@ -105,6 +106,15 @@ PK_KERNEL void softmax(PK_GLOBAL const PK_T_T* PK_RESTRICT X, PK_GLOBAL PK_T_T* 
             mv = fmax(fmax(mv, mv1), fmax(mv2, mv3));
             const PK_ACC_T* ml = (const PK_ACC_T*)&mv;
             for (int l = 0; l < VEC; ++l) mx = fmax(mx, ml[l]);
+            if (mx == -PK_INFINITY) {
+                /* every value -inf, or NaN: the max passes dropped any NaN, and a max of
+                 * -inf skips pass 2 (a row of zeros), so look for one here (rare: no
+                 * cost to a row with a number in it). A NaN max makes the row NaN. */
+                for (int b2 = lid; b2 < nv; b2 += WG) {
+                    const svt x = PK_CAT(vload, VEC)(b2, xr);
+                    if (any(isnotequal(x, x))) mx = PK_INFINITY - PK_INFINITY;
+                }
+            }
             j1 = nv * VEC + lid;
         }
 #endif
