@@ -338,6 +338,11 @@ def split_plan(p: Problem, cfg: Mapping[str, int]) -> tuple[int, int]:
     bk = tile_keys(p, cfg)
     tiles = cdiv(max(d["Sk"], 1), bk)
     want = max(1, min(cfg.get("SPLIT", 1), tiles))
+    # the partials (rows x ranges x (Dv + 2)) are indexed with 32-bit ints: fewer ranges
+    # until they fit (a forced SPLIT on a long prefill would wrap and write out of bounds)
+    rows = d["B"] * d["Hq"] * d["Sq"]
+    while want > 1 and rows * want * (max(d["Dv"], 1) + 2) > MAX_INDEX:
+        want //= 2
     per = cdiv(tiles, want)
     return cdiv(tiles, per), per * bk
 

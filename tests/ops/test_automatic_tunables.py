@@ -119,3 +119,27 @@ def test_size_chosen_paths_repeat_on_device_arrays(kernel_target: str) -> None:
         np.testing.assert_array_equal(first, again)
         np.testing.assert_array_equal(
             first, np.asarray(pk.call(op, *host, backend=kernel_target, config=cfg)))
+
+
+def test_attention_splits_keep_their_partials_within_32_bit_indexing() -> None:
+    """A forced SPLIT on a long prefill: the partials (rows x ranges x (Dv + 2)) are indexed
+    with ints in the kernels; 2 ranges over 2**24 query rows made 2.2e9 elements, which
+    wrapped and wrote out of bounds. The plan halves the ranges until they fit."""
+    from portakern.core.spec import MAX_INDEX, ArrayMeta
+    from portakern.ops import attention as at
+
+    def plan(sq: int, split: int) -> tuple[int, dict[str, tuple[int, str]]]:
+        spec = get_op("attention")
+        metas = {"q": ArrayMeta((1, 1, sq, 64), "float16"),
+                 "k": ArrayMeta((1, 1, 64, 64), "float16"),
+                 "v": ArrayMeta((1, 1, 64, 64), "float16")}
+        prob = spec.problem(metas, dict(spec.params))
+        cfg = {**spec.schedules["gpu"], "SPLIT": split}
+        return at.split_plan(prob, cfg)[0], at.workspace(prob, cfg)
+
+    ns, ws = plan(1 << 24, 2)
+    assert ns == 1 and "part" not in ws
+    ns, ws = plan(1 << 20, 2)
+    assert ns == 2 and ws["part"][0] <= MAX_INDEX
+    ns, ws = plan(1 << 23, 8)  # 8 ranges: 4.4e9 elements; 2: 1.1e9, within the limit
+    assert ns == 2 and ws["part"][0] <= MAX_INDEX
