@@ -335,9 +335,9 @@ def test_mutant_is_caught(name: str) -> None:
         assert o in source, f"mutation site for {name!r} not found: the kernel changed"
         source = source.replace(o, n, 1)
     mutant = spec.replace(name=f"{op}_mutant", source=source)
-    # Backends cache kernels and launch plans per (spec name, id(spec)); a freed mutant's id is
-    # reused by the next one, which would then run the previous mutant's compiled kernel.
-    # Keeping every mutant alive keeps every id unique for the whole session.
+    # Backends cache kernels and launch plans per spec token (process-unique, KernelSpec.token:
+    # once id(spec), which a freed mutant handed to the next one with its compiled kernel).
+    # Keeping every mutant alive costs little and keeps its cached kernel reachable.
     _ALIVE.append(mutant)
     targets = kernel_targets()
     if not targets:
