@@ -1078,6 +1078,23 @@ def test_dispatch_is_measured_for_the_named_entry_points_on_opencl() -> None:
     assert "overhead: call (host / wall)" in table and "(judged on host)" in table
 
 
+def test_dispatch_flags_a_raw_path_that_launches_nothing(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """The raw enqueue's result is checked before any other call writes the shared output
+    (NaN until then): a raw launcher that does nothing cannot borrow call_out's result (it
+    did: status ok, error 1e-8, with a no-op in its place)."""
+    from portakern.runtime import selection
+    from portakern.tools.bench import dispatch
+
+    be = selection.get(_opencl_target())
+    monkeypatch.setattr(dispatch, "_raw_launcher", lambda *a, **k: (lambda: None))
+    got = dispatch.measure_dispatch(be, dispatch.DispatchConfig(iterations=2, rounds=1,
+                                                                warmup=1))
+    for name, rec in got.items():
+        assert rec["status"] == "error", name
+        assert "raw enqueue's output differs" in rec["reason"]
+
+
 def test_dispatch_has_no_backend_name_branches() -> None:
     src = Path(suites.__file__).with_name("dispatch.py").read_text()
     assert "be.name ==" not in src and '.name == "' not in src
