@@ -35,6 +35,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from ... import api
 from ...api import call
 from ...backend import registry
 from ...backend.base import Backend, KernelBackend
@@ -230,9 +231,29 @@ def measure_ours(be: Backend, case: BenchCase, native: Mapping[str, Any], timing
     """Our call, compiled (untimed, recorded), its first call timed and warmed up: ready for
     the case's interleaved rounds."""
     spec = get_op(case.op)
-    what = (f"portakern.call({case.op!r}) on device-resident inputs: validation, launch, "
-            "output allocation and kernel, synchronised")
     args = [native.get(n) for n in operand_names(case.op)]  # None: absent optional operand
+    # the call users write: the op's public function (pk.softmax(x, backend="opencl:0")),
+    # the target named by its label, optional operands by keyword; pk.call for an op
+    # without one (a user's). Either way the backend instance is this one.
+    named = getattr(api, case.op, None)
+    label = be.label if selection.get(be.label) is be else None
+    selector: str | Backend = label if label is not None else be
+    if callable(named) and named is not api.call:
+        pos = [a for o, a in zip(spec.operands, args, strict=True) if not o.optional]
+        kw = {o.name: a for o, a in zip(spec.operands, args, strict=True)
+              if o.optional and a is not None}
+        shown = f"pk.{case.op}(..., backend={selector!r})" if label else \
+            f"pk.{case.op}(..., backend=<{be.label} instance>)"
+
+        def invoke(config: Mapping[str, int] | None) -> Any:
+            return named(*pos, **kw, backend=selector, config=config, **case.params)
+    else:
+        shown = f"pk.call({case.op!r}, ..., backend={selector!r})"
+
+        def invoke(config: Mapping[str, int] | None) -> Any:
+            return call(case.op, *args, backend=selector, config=config, **case.params)
+    what = (f"{shown} on device-resident inputs: validation, launch, output allocation and "
+            "kernel, synchronised")
     compile_s, kcfg, cached = None, None, False
     forced = bench_config(case)  # e.g. a decode row's number of key splits
     if forced:
@@ -248,7 +269,7 @@ def measure_ours(be: Backend, case: BenchCase, native: Mapping[str, Any], timing
     holder: dict[str, Any] = {}
 
     def fn() -> None:
-        holder["r"] = call(case.op, *args, backend=be, config=forced, **case.params)
+        holder["r"] = invoke(forced)
 
     p = prepare(fn, _sync_with(be, holder), timing, what=what)
     if compile_s is not None:
