@@ -619,6 +619,25 @@ def test_pp_over_the_implementations_on_one_cpu() -> None:
     assert "0 (cannot run: opencl:intel)" in text
 
 
+def test_a_target_the_bench_skipped_is_not_measured_not_unable() -> None:
+    """jax's paged decode rows past the gather budget are ``not_applicable`` (the bench's own
+    choice): left out of PP and named, not a member that cannot run (PP 0), as REPORT.md
+    once said of 7 of 8 decode rows."""
+    from portakern.tools.bench import implementations as impl
+
+    res = _impl_result()
+    for t, ours in (("opencl:0", 1.0), ("opencl:1", 2.0), ("jax:0", "not_applicable"),
+                    ("jax:pallas_0", "not_applicable")):
+        res["cases"].append(_impl_rec(t, "paged_attention", "B8", ours, {"numpy": 4.0}))
+    metrics.attach_devices(res)
+    cases = {c.key: c for c in impl.silicon_cases(res["cases"], [CPU_KEY])}
+    pa = cases[("paged_attention", "float32", "B8")]
+    assert pa.members["jax"].status == "not measured" and "jax" in pa.not_measured
+    assert pa.pp_app is not None and pa.pp_app.value > 0
+    unable = next(c for k, c in cases.items() if k[0] == "softmax")
+    assert unable.members["opencl:intel"].status == "cannot run"  # unsupported still is
+
+
 def test_the_implementations_view_is_in_the_run_and_the_report(tmp_path: Path) -> None:
     from portakern.tools.bench.plots import plot_run
     from portakern.tools.cli import main

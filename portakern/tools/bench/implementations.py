@@ -22,8 +22,9 @@ For one case (op, dtype, size) on one device (``device_key``):
   case** (a portakern target that ran it with any status but ok: unsupported dtype, kernel
   error, interrupted; or a numpy peer whose status is ``unsupported``); **PP (roofline)** the
   same over % roof / 100. A member with no measurement of the case (another run's suite, a
-  numpy peer ``unavailable`` for the dtype or not asked for) is *not measured*: left out of
-  that case's PP and named, as unknown is not unsupported.
+  numpy peer ``unavailable`` for the dtype or not asked for, a target the bench itself
+  skipped, ``not_applicable``: jax's paged decode past the gather budget) is *not measured*:
+  left out of that case's PP and named, as unknown is not unsupported.
 
 The times of two members come from different rounds of the run (each target's case is its own
 measurement), so these are ratios of medians; the paired per-round ratios against each peer
@@ -147,9 +148,14 @@ def silicon_case(key: tuple[str, str, str], device: str, h: Sequence[str],
         else:
             why = "; ".join(f"{r.get('target')}: {(r.get('ours') or {}).get('status', '?')}"
                             for r in group)
+            # skipped by the bench's own choice (not_applicable) is not measured; anything
+            # else (unsupported, an error, interrupted) is a member that cannot run it
+            skipped = all((r.get("ours") or {}).get("status") == "not_applicable"
+                          for r in group)
             c.members[name] = Member(name, source=", ".join(str(r.get("target"))
                                                             for r in group),
-                                     status="cannot run", reason=why)
+                                     status="not measured" if skipped else "cannot run",
+                                     reason=why)
     # every peer at its fastest measurement on the device (it ran beside each target)
     seen: dict[str, list[tuple[Mapping[str, Any], Mapping[str, Any]]]] = {}
     for r in recs:
