@@ -636,6 +636,12 @@ def test_a_target_the_bench_skipped_is_not_measured_not_unable() -> None:
     assert pa.pp_app is not None and pa.pp_app.value > 0
     unable = next(c for k, c in cases.items() if k[0] == "softmax")
     assert unable.members["opencl:intel"].status == "cannot run"  # unsupported still is
+    # PP over devices, per kind of target: jax measured nothing here, so no PP (not 0)
+    (dec,) = [c for c in report.portability(res["cases"], [CPU_KEY])
+              if c.key[0] == "paged_attention"]
+    assert "jax" not in dec.pp_kind and dec.kind_missing["jax"] == [CPU_KEY]
+    jax_rec = dec.records[CPU_KEY]["jax:0"]
+    assert report.target_cell(jax_rec) == "not measured: not_applicable"
 
 
 def test_the_implementations_view_is_in_the_run_and_the_report(tmp_path: Path) -> None:

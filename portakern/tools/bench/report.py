@@ -178,7 +178,8 @@ def portability(records: Sequence[Mapping[str, Any]], devices: Sequence[str]
         c = CasePP(key, max(_flops(r) for d in by_dev.values() for r in d.values()))
         c.records = by_dev
         for d in devices:
-            recs = by_dev.get(d)
+            # a target the bench skipped (not_applicable) did not measure: unknown, not unable
+            recs = {lab: r for lab, r in (by_dev.get(d) or {}).items() if not skipped(r)}
             if not recs:
                 c.not_measured.append(d)
                 continue
@@ -207,7 +208,7 @@ def portability(records: Sequence[Mapping[str, Any]], devices: Sequence[str]
             per: dict[str, float | None] = {}
             for d in devices:
                 recs = {lab: r for lab, r in (by_dev.get(d) or {}).items()
-                        if target_kind(lab) == kind}
+                        if target_kind(lab) == kind and not skipped(r)}
                 if not recs:
                     if d in by_dev:
                         c.kind_missing.setdefault(kind, []).append(d)
@@ -224,6 +225,12 @@ def portability(records: Sequence[Mapping[str, Any]], devices: Sequence[str]
         out.append(c)
     out.sort(key=lambda c: (c.key[0], c.key[1], c.flops, c.key[2]))
     return out
+
+
+def skipped(r: Mapping[str, Any]) -> bool:
+    """A record the bench chose not to measure (``not_applicable``: a peer budget, a split
+    row): not measured, where an unsupported dtype or an error is a target that cannot run."""
+    return (r.get("ours") or {}).get("status") == "not_applicable"
 
 
 def spread_text(sp: Mapping[str, Any] | None) -> str:
@@ -252,6 +259,8 @@ def target_cell(r: Mapping[str, Any] | None) -> str:
     ratios [IQR]) and % of roof."""
     if r is None:
         return "—"
+    if skipped(r):
+        return "not measured: not_applicable"
     if not r.get("supported"):
         return "cannot run: " + str((r.get("ours") or {}).get("status"))
     e = r.get("efficiency")
