@@ -502,6 +502,10 @@ class JaxBackend(ArrayBackend):
 
     def execute(self, spec: KernelSpec, prob: Problem, ins: dict[str, Any],
                 config: Mapping[str, int] | None) -> Any:
+        if prob.dtype == "float64":
+            # per call, not only when the call was planned: jax_enable_x64 can be switched
+            # off after (jax then computes a planned float64 call in float32, silently)
+            self.check_dtype(spec, prob)
         fn = self.compiled(spec, prob, config)
         args = [ins.get(o.name) for o in spec.operands]
         params = prob.params

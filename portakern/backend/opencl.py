@@ -227,6 +227,17 @@ class OpenCLBackend(KernelBackend):
         ctx = x.context
         if ctx is not self.ctx and ctx != self.ctx:  # identity first: the per-call path
             raise context_error(self, name, x)
+        if not x.dtype.isnative:
+            raise InvalidArgumentError(
+                f"argument {name!r} is a pyopencl Array of non-native byte order (dtype "
+                f"{x.dtype.str}); the kernels read and write native-order values, so its "
+                "values would be misread. Expected a native-order array: "
+                "pk.to_backend(x.get().astype(x.dtype.newbyteorder('=')), ...).")
+        if x.events and x.queue is not self.queue:
+            # written (or being written) through another queue of this context: this queue
+            # waits for that work before the kernels read the array (an in-order queue of our
+            # own orders its own work already)
+            cl.enqueue_marker(self.queue, wait_for=list(x.events))
         if x.offset or not x.flags.c_contiguous:
             raise InvalidArgumentError(
                 f"argument {name!r} is a non-contiguous or offset pyopencl view (strides "
@@ -263,9 +274,12 @@ class OpenCLBackend(KernelBackend):
         cls, ctx, queue = cla.Array, self.ctx, self.queue
         read_only = cl.mem_flags.READ_ONLY if writable else 0
 
+        # (another queue's array with pending events, or one of another byte order, takes
+        # the checked path: prepare_native orders the events first, or refuses the array)
         def check(x: Any) -> Any:  # an array made on our queue is in our context
-            if x.__class__ is cls and (x.queue is queue or x.context == ctx) \
-                    and x.strides == strides and not x.offset:
+            if x.__class__ is cls and (x.queue is queue or (x.context == ctx and not x.events)) \
+                    and x.strides == strides and not x.offset \
+                    and (x.dtype is st or x.dtype == st):  # numpy's dtypes: one object
                 bd = x.base_data  # size and flags: a driver query each, flags for outputs only
                 if bd is not None and bd.size >= nbytes \
                         and not (read_only and bd.flags & read_only):

@@ -201,6 +201,15 @@ def host_table(x: Any) -> np.ndarray | None:
         return None
 
 
+def native_int32(t: np.ndarray | None) -> np.ndarray | None:
+    """A big-endian int32 table (``>i4``: validation reads it as int32, and the kernels get
+    native values) in native order, so its values are checked too (they were skipped, and a
+    block id past the pool went through)."""
+    if t is not None and t.dtype.kind == "i" and t.dtype.itemsize == 4 and not t.dtype.isnative:
+        return t.astype(np.int32)
+    return t
+
+
 def check_tables(block_table: Any, seq_lens: Any, num_blocks: int, block_size: int,
                  sq: int) -> None:
     """Refuse bad table values before any device work, naming the first bad entry:
@@ -208,7 +217,7 @@ def check_tables(block_table: Any, seq_lens: Any, num_blocks: int, block_size: i
     (block_table[b, :ceil(seq_lens[b] / block_size)]) in [0, num_blocks). Entries past a
     sequence's pages are never read and may hold anything (vLLM pads with -1 or 0).
     Malformed tables (rank, dtype, lengths) are left to validation, which names them."""
-    bt, sl = host_table(block_table), host_table(seq_lens)
+    bt, sl = native_int32(host_table(block_table)), native_int32(host_table(seq_lens))
     if bt is None or sl is None or bt.ndim != 2 or sl.ndim != 1 or sl.shape[0] != bt.shape[0] \
             or bt.dtype != np.int32 or sl.dtype != np.int32:
         return

@@ -170,6 +170,15 @@ def test_float64_with_x64_subprocess() -> None:
             assert np.all(np.abs(got - ref) <= tol), (t, np.abs(got - ref).max())
         a, b = rng.standard_normal((5, 7)), rng.standard_normal((7, 3))
         assert np.abs(pk.matmul(a, b, backend="jax") - a @ b).max() < 1e-13
+        # x64 switched off after the call was planned: refused, not computed in float32
+        import jax
+        jax.config.update("jax_enable_x64", False)
+        try:
+            pk.matmul(a, b, backend="jax")
+        except pk.UnsupportedDTypeError as exc:
+            assert "jax_enable_x64" in str(exc)
+        else:
+            raise AssertionError("a planned float64 call ran with x64 off")
         print("OK")
     """)
     env = dict(os.environ, JAX_ENABLE_X64="1", JAX_PLATFORMS="cpu")

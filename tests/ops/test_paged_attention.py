@@ -262,6 +262,14 @@ def test_malformed_tables_are_refused_by_validation() -> None:
         pk.paged_attention(**a, bias=np.zeros((8, 1, 95), np.float32), backend="numpy")
     with pytest.raises(pk.InvalidArgumentError, match="paged_attention: window"):
         pk.paged_attention(**a, window=-1, backend="numpy")
+    # big-endian tables (validation reads them as int32) get their values checked too
+    with pytest.raises(pk.InvalidArgumentError, match="block_table"):
+        bad = a["block_table"].copy()
+        bad[0, 0] = 10**6
+        pk.paged_attention(**{**a, "block_table": bad.astype(">i4")}, backend="numpy")
+    with pytest.raises(pk.InvalidArgumentError, match="seq_lens"):
+        pk.paged_attention(**{**a, "seq_lens": (a["seq_lens"] + 10**6).astype(">i4")},
+                           backend="numpy")
     # queries and no pages (no blocks, pages of 0 tokens, an empty table): the shape's
     # error, not a table value's "outside [2, 0]"
     for edit in ({"k_cache": a["k_cache"][:0], "v_cache": a["v_cache"][:0]},
