@@ -480,13 +480,41 @@ def attended_pairs(sq: int, sk: int, causal: bool, window: tuple[int, int | None
     return float(np.maximum(hi - lo + 1, 0).sum())
 
 
+def attended_keys(sq: int, sk: int, causal: bool, window: tuple[int, int | None] | None,
+                  q_offset: int = 0) -> int:
+    """Keys some query attends (causal and the window; a mask is data): the K/V rows a call
+    must read, which the kernels' tile skipping keeps to (a decode step's 128-key window of a
+    32768-key cache reads 128 keys, not 32768). Counting every key instead made the byte
+    count, a lower bound on what moved, up to Sk / window times too high, and a run's
+    bandwidth roof with it (a case's rate lifts the roof)."""
+    if sq == 0 or sk == 0:
+        return 0
+    i = np.arange(sq, dtype=np.int64) + q_offset
+    lo = np.zeros(sq, np.int64)
+    hi = np.full(sq, sk - 1, np.int64)
+    if causal:
+        hi = np.minimum(hi, i)
+    if window is not None:
+        lo = np.maximum(lo, i - window[0])
+        if window[1] is not None:
+            hi = np.minimum(hi, i + window[1])
+    live = hi >= lo
+    lo, hi = lo[live], hi[live]
+    if not lo.size:
+        return 0
+    # both ends rise with i: a row adds the keys past the highest key before it
+    before = np.concatenate(([-1], np.maximum.accumulate(hi)[:-1]))
+    return int(np.maximum(hi - np.maximum(lo, before + 1) + 1, 0).sum())
+
+
 def cost(p: Problem) -> Cost:
     d = p.derived
     pairs = attended_pairs(d["Sq"], d["Sk"], p.params["causal"], p.params.get("window"))
+    keys = attended_keys(d["Sq"], d["Sk"], p.params["causal"], p.params.get("window"))
     bh = d["B"] * d["Hq"]
     isz = p.info.storage.itemsize
     width = d["D"] + d["Dv"]
-    nbytes = isz * (bh * d["Sq"] * width + d["B"] * d["Hkv"] * d["Sk"] * width)
+    nbytes = isz * (bh * d["Sq"] * width + d["B"] * d["Hkv"] * keys * width)
     return Cost(flops=2.0 * bh * pairs * (d["D"] + d["Dv"]), bytes=float(nbytes))
 
 

@@ -200,9 +200,11 @@ def cost(p: Problem) -> Cost:
     # the roofline should credit.
     flops = 2.0 * bh * pairs * (3 * d["D"] + 2 * d["Dv"])
     acc = p.info.compute.itemsize  # lse, in the compute type
-    # read do, q, o, k, v, lse once; write dq, dk, dv once
+    # read do, q, o, lse once and the k, v rows some query attends; write dq, dk, dv once
+    # (dk, dv for every key: 0 where none attends)
+    keys = attention.attended_keys(d["Sq"], d["Sk"], p.params["causal"], p.params.get("window"))
     nbytes = (isz * (bh * d["Sq"] * (2 * d["D"] + 2 * d["Dv"])
-                     + 2 * d["B"] * d["Hkv"] * d["Sk"] * width) + acc * bh * d["Sq"])
+                     + d["B"] * d["Hkv"] * (keys + d["Sk"]) * width) + acc * bh * d["Sq"])
     return Cost(flops=float(flops), bytes=float(nbytes))
 
 

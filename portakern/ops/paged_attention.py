@@ -368,14 +368,17 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
 
 def cost(p: Problem) -> Cost:
     """Compulsory traffic with every sequence at its table's capacity (MB * BS tokens: the
-    values of seq_lens are not known here): q, the K/V pages once per kv head, the output."""
+    values of seq_lens are not known here): q, the K/V rows some query attends once per kv
+    head (all of them, unless a window leaves some out), the output."""
     d = p.derived
     cap = d["MB"] * d["BS"]
     isz = p.info.storage.itemsize
     pairs = attention.attended_pairs(d["Sq"], cap, True, p.params.get("window"), cap - d["Sq"])
+    # the pages a window leaves out are never read (the kernel starts at the window's page)
+    keys = attention.attended_keys(d["Sq"], cap, True, p.params.get("window"), cap - d["Sq"])
     bh = d["B"] * d["Hq"]
     width = d["D"] + d["Dv"]
-    nbytes = isz * (bh * d["Sq"] * width + d["B"] * d["Hkv"] * cap * width)
+    nbytes = isz * (bh * d["Sq"] * width + d["B"] * d["Hkv"] * keys * width)
     return Cost(flops=2.0 * bh * pairs * (d["D"] + d["Dv"]), bytes=float(nbytes))
 
 

@@ -233,6 +233,40 @@ def test_attention_cost() -> None:
     assert flops == 2 * 2 * 8 * 4096 * 4096 * 64
 
 
+def test_attention_bytes_count_only_the_keys_some_query_attends() -> None:
+    """A window or a top-left causal with Sq < Sk leaves keys no query reads (the kernels
+    skip their tiles): counting them made the byte count, a lower bound the run's roof is
+    lifted by, up to Sk / window times too high (a review: 134 MB for one 128-key window)."""
+    from portakern.ops.attention import attended_keys
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # against the set of (query, key) pairs, counted one by one
+        sq, sk = int(rng.integers(0, 12)), int(rng.integers(0, 12))
+        causal, off = bool(rng.integers(2)), int(rng.integers(-3, 8))
+        window = None if rng.integers(3) == 0 else (
+            int(rng.integers(0, 6)), None if rng.integers(2) else int(rng.integers(0, 6)))
+        keys = {j for i in range(off, off + sq) for j in range(sk)
+                if (not causal or j <= i) and (window is None or (
+                    i - window[0] <= j and (window[1] is None or j <= i + window[1])))}
+        assert attended_keys(sq, sk, causal, window, off) == len(keys), (sq, sk, causal,
+                                                                          window, off)
+    q, kv = (1, 1, 1, 16), (1, 1, 4096, 16)
+    _, full = _cost("attention", q, kv, kv)
+    _, windowed = _cost("attention", q, kv, kv, window=(127, 0))
+    assert windowed == 4 * (32 + 1 * 32) and full == 4 * (32 + 4096 * 32)  # top-left: key 0
+    _, causal_short = _cost("attention", (1, 1, 4, 16), kv, kv, causal=True)
+    assert causal_short == 4 * (4 * 32 + 4 * 32)  # top-left: keys 0..3
+    # paged decode: a 127-token window over a 4096-token table reads 128 keys' pages
+    from portakern.ops import paged_attention as pa
+
+    ex, _ = pa.example("float16", B=1, Hq=8, Hkv=8, MB=256)
+    spec = get_op("paged_attention")
+    c_full = spec.cost(spec.problem(ex, dict(spec.params)))
+    c_win = spec.cost(spec.problem(ex, {**spec.params, "window": 127}))
+    assert c_full.bytes == 2 * (8 * 128 * 2 + 8 * 4096 * 256)
+    assert c_win.bytes == 2 * (8 * 128 * 2 + 8 * 128 * 256)
+
+
 # --- suites --------------------------------------------------------------------------------------
 def test_quick_suite_covers_the_issue_sizes() -> None:
     cases = suites.suite_cases("quick")
