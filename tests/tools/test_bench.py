@@ -1610,6 +1610,18 @@ def test_paired_ratios_and_derive_report_the_median_of_rounds() -> None:
     assert rec["efficiencies"]["numpy"] == pytest.approx(5.0)  # ratio of the medians
     assert rec["efficiency_spread"]["q3"] == pytest.approx(r["q3"])
     assert report.eff_cell(rec) == "2.2 [2.1–3.9]"  # median 2.15 [IQR 2.075-3.9]
+    # the best peer is picked by the per-round ratio its efficiency is, not the median time:
+    # XLA's median is a hair slower than numpy's, its rounds beside ours a hair faster
+    xla = metrics.paired_ratios([1.10, 1.11, 1.12], [1.0, 1.0, 1.0])
+    npr = metrics.paired_ratios([1.20, 1.15, 1.16], [1.0, 1.0, 1.0])
+    two: dict[str, Any] = {
+        "compute_dtype": "float32", "cost": {"flops": 1e9, "bytes": 1e6},
+        "ours": {"status": "ok", "median_s": 1.0},
+        "peers": {"xla": {"status": "ok", "median_s": 1.17, "name": "XLA"},
+                  "numpy": {"status": "ok", "median_s": 1.16, "name": "numpy"}},
+        "ratios": {"xla": xla, "numpy": npr}}
+    derive(two, Roofline(status="error", reason="none"))
+    assert two["best_peer"] == "xla" and two["efficiency"] == pytest.approx(1.11)
 
 
 def test_the_numpy_process_serves_prepared_peers_sample_by_sample() -> None:
