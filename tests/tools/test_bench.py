@@ -1429,6 +1429,15 @@ def test_torch_peer_records_threads_and_the_sdpa_kernel() -> None:
     want = get_op("attention").semantics(np, *(x[n].astype(np.float64) for n in "qkv"),
                                          causal=True)
     np.testing.assert_allclose(fn().numpy(), want, rtol=1e-4, atol=1e-5)
+    # bfloat16: torch computes in bfloat16 on views of the inputs' bits (it ran in float32,
+    # reading twice the bytes ours does)
+    bcase = suites.BenchCase("matmul", "bfloat16", {"M": 32, "N": 32, "K": 32})
+    bx = suites.make_inputs(bcase)
+    bfn, _ = numpy_worker.build_torch(bcase, bx)
+    r = bfn()
+    assert str(r.dtype) == "torch.bfloat16"
+    np.testing.assert_allclose(r.float().numpy(), bx["a"].astype(np.float32)
+                               @ bx["b"].astype(np.float32), rtol=2e-2, atol=2e-1)
     assert "torch" in applicable("rmsnorm", Target("opencl", "cpu"))  # type: ignore[arg-type]
     assert "torch" not in applicable("matmul", Target("cuda", "gpu"))  # type: ignore[arg-type]
 
