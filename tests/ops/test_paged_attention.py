@@ -404,7 +404,7 @@ MUTANTS = {
         {"SPLIT": 1, "VEC": 16, "PAGES": 1}),
     # a chunk's keys from several pages (PAGES)
     "every lane of a chunk reads the group's first page": (
-        "rw[j_] = ok_ ? (PA_BLOCK((gp) + u_) * Hkv", "rw[j_] = ok_ ? (PA_BLOCK(gp) * Hkv",
+        "(nku_ > 0 ? (PA_BLOCK(pu_) * Hkv", "(nku_ > 0 ? (PA_BLOCK(gp) * Hkv",
         {"SPLIT": 1, "VEC": 16, "PAGES": 4}),
     "a split's last group keeps lanes of pages past the split's end": (
         "            live &= lpage < (pa_it)(p_hi - pg);\n", "",
