@@ -65,3 +65,39 @@ def test_check_passes_on_every_kernel_target(kernel_target: str,
     assert rc == 0, out
     assert "conformance: passed" in out and " 0 fail" in out, out
     assert "NOTHING CHECKED" not in out and " pass" in out, out
+
+
+def test_check_names_with_spaces_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--dtypes "float32, float64"`: the CLI validated stripped names, the run looked up
+    " float64" (n/a everywhere) and passed having never checked float64; `--ops "softmax,
+    matmul"` crashed with a KeyError."""
+    from portakern.tools.cli import main
+
+    rc = main(["check", "--backend", "numpy", "--ops", "softmax, rmsnorm", "--dtypes",
+               "float32, float64", "--examples", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith(("softmax", "rmsnorm"))]
+    assert {(r[0], r[2], r[3]) for r in rows} == {
+        (op, dt, "pass") for op in ("softmax", "rmsnorm") for dt in ("float32", "float64")}, out
+
+
+def test_check_seed_reproduces_across_processes(tmp_path: object) -> None:
+    """--seed gives the same cases in every process (hash(op) is salted per process) and
+    different streams per dtype (len(dtype) is 7 for float16, float32 and float64)."""
+    from pathlib import Path
+
+    cases = []
+    for salt in ("1", "2"):
+        out = Path(str(tmp_path)) / f"o{salt}.json"
+        subprocess.run([sys.executable, "-m", "portakern.tools.cli", "check", "--backend",
+                        "numpy", "--ops", "matmul", "--dtypes", "float32,float64",
+                        "--examples", "1", "--seed", "5", "--out", str(out)],
+                       env={**os.environ, "PYTHONHASHSEED": salt}, capture_output=True,
+                       text=True, timeout=300, check=True)
+        import json
+
+        res = json.loads(out.read_text())
+        cases.append([r["case"] for r in res["results"]])
+    assert cases[0] == cases[1]
+    assert cases[0][0].split()[0] != cases[0][1].split()[0] or len(set(cases[0])) == 2
