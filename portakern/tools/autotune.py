@@ -363,6 +363,11 @@ def tune(op: str | KernelSpec, backend: str | Backend | None = None, *, budget_s
         raise InvalidArgumentError(f"tune: op {spec.name!r} declares no tunables; there is "
                                    "nothing to search. Give its KernelSpec `tunables`.")
     prob = representative_problem(spec, dtype, dict(sizes or {}))
+    if prob.empty_result:
+        raise InvalidArgumentError(
+            f"{spec.name} with {dict(sizes or {})} is an empty problem (a size of 0): "
+            "there is nothing to time, and its entry would serve every call of its size "
+            "class. Give sizes >= 1.")
     be.check_dtype(spec, prob)
     rng = np.random.default_rng(seed)
     host = random_inputs(spec, prob, rng)

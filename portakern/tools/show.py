@@ -15,7 +15,7 @@ from ..backend import registry
 from ..core import codegen, dtypes
 from ..core.errors import InvalidArgumentError
 from ..core.spec import KernelSpec, Problem
-from ..core.spec_checks import example_inputs
+from ..core.spec_checks import example_inputs, shape_family
 from ..ops import get_op
 
 
@@ -55,10 +55,28 @@ def example_call(spec: KernelSpec, dtype: str, sizes: Mapping[str, int] | None =
     family with ``sizes`` setting size names. None when the spec gives neither."""
     if spec.example is not None:
         takes = size_names(spec.example)
+        _refuse_unknown(spec, sizes, takes)
         kw = {k: int(v) for k, v in (sizes or {}).items() if takes is None or k in takes}
         arrays, params = spec.example(dtypes.info(dtype).name, **kw)
         return dict(arrays), dict(params)
+    family = shape_family(spec)
+    if family is not None:
+        _refuse_unknown(spec, sizes, frozenset(d for dims in family.values() for d in dims
+                                               if isinstance(d, str)))
     return example_inputs(spec, dtype, sizes)
+
+
+def _refuse_unknown(spec: KernelSpec, sizes: Mapping[str, int] | None,
+                    takes: frozenset[str] | None) -> None:
+    """A --shape name the op does not take is an error (`tune matmul --shape m=16` tuned and
+    stored 256^3 with the lower-case names dropped), as in `trace`."""
+    if takes is None:
+        return
+    unknown = sorted(set(sizes or {}) - takes)
+    if unknown:
+        raise InvalidArgumentError(
+            f"--shape {', '.join(unknown)}: {spec.name} takes no such size; its sizes are "
+            f"{', '.join(sorted(takes)) or '(none)'} (names are case-sensitive).")
 
 
 def representative_problem(spec: KernelSpec, dtype: str, sizes: dict[str, int] | None = None

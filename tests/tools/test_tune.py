@@ -398,3 +398,22 @@ def test_database_survives_concurrent_writers(db: Path, tmp_path: Path) -> None:
     want = {f"float32.K3.M{configs.size_class(4 ** w)}.N{configs.size_class(4 ** j)}"
             for w in range(workers) for j in range(6)} | {"float32.K5.M5.N5"}
     assert buckets == want
+
+
+def test_tune_and_show_refuse_sizes_the_op_does_not_take(db: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """`tune matmul --shape m=16,n=16,k=16` (lower case) tuned and stored 256^3, the names
+    dropped in silence; `show` dropped them too; `tune` of an empty problem timed a no-op and
+    would serve every call of its size class."""
+    _opencl()
+    assert cli_main(["tune", "matmul", "--backend", "opencl", "--budget", "1",
+                     "--shape", "m=16,n=16,k=16"]) == 2
+    assert "takes no such size; its sizes are K, M, N" in capsys.readouterr().err
+    assert cli_main(["show", "matmul", "--backend", "opencl", "--shape", "X=5"]) == 2
+    assert "--shape X" in capsys.readouterr().err
+    assert cli_main(["tune", "softmax", "--backend", "opencl", "--budget", "1",
+                     "--shape", "R=0,N=64"]) == 2
+    assert "empty problem" in capsys.readouterr().err
+    assert cli_main(["tune", "--list"]) == 0
+    assert "matmul" not in capsys.readouterr().out  # nothing stored
