@@ -206,6 +206,25 @@ def _value(text: str) -> Any:
         return text
 
 
+def _ints(text: str, what: str, nonnegative: bool = False) -> tuple[int, ...]:
+    """Comma-separated integers, or the one-line error the CLI prints (a ValueError ended
+    `--shape x=4,x8` and `--config WG=abc` in a traceback)."""
+    try:
+        got = tuple(int(d) for d in text.split(",") if d.strip())
+    except ValueError:
+        raise InvalidArgumentError(f"{what}{text}: expected integers, e.g. {what}64,64.") from None
+    if nonnegative and any(d < 0 for d in got):
+        raise InvalidArgumentError(f"{what}{text}: sizes must be >= 0.")
+    return got
+
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{what}{text}: expected an integer, e.g. {what}64.") from None
+
+
 def _pairs(items: Sequence[str] | None, what: str) -> dict[str, str]:
     out = {}
     for item in items or ():
@@ -243,10 +262,10 @@ def main(args: argparse.Namespace) -> int:
     if not _is_simulator(name, dev):
         raise BackendUnavailable(f"portakern trace counts on the Oclgrind simulator only; got "
                                  f"--backend {args.backend}. Use --backend opencl:oclgrind.")
-    shapes = {k: tuple(int(d) for d in v.split(",") if d.strip())
+    shapes = {k: _ints(v, f"--shape {k}=", nonnegative=True)
               for k, v in _pairs(args.shape, "--shape").items()}
     params = {k: _value(v) for k, v in _pairs(args.param, "--param").items()}
-    config = {k: int(v) for k, v in _pairs(args.config, "--config").items()}
+    config = {k: _int(v, f"--config {k}=") for k, v in _pairs(args.config, "--config").items()}
     t = trace(args.op, shapes, dtype=args.dtype, params=params, config=config,
               schedule=args.schedule)
     print(json.dumps(t.as_dict(), indent=2, default=str) if args.json else format_trace(t))

@@ -163,3 +163,13 @@ def test_trace_cli_json(sim, capsys) -> None:  # noqa: ANN001
     assert doc["params"]["causal"] is True
     assert main(["trace", "matmul", "--shape", "a=8,8", "--shape", "b=8,8"]) == 0
     assert "global traffic / compulsory" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--shape", "x=4,x8"], ["--shape", "x=-4,8"],
+                                  ["--shape", "x=4,8", "--config", "WG=abc"]])
+def test_trace_cli_bad_numbers_are_one_line_errors(argv: list[str],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """They ended in a ValueError traceback (exit 1); the CLI promises one line, exit 2."""
+    assert main(["trace", "softmax", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1 and "--" in err
