@@ -50,6 +50,7 @@ from .errors import InvalidArgumentError
 
 FORMAT = "portakern-cache"
 VERSION = 1
+OTHER_VERSION = "it has format version"
 MAX_FILE_BYTES = 1 << 20  # no legitimate entry comes near this; bigger means damage or abuse
 ENV_DIR = "PORTAKERN_CACHE_DIR"
 SUFFIX = ".json"
@@ -292,10 +293,15 @@ class Store:
             return None
         why, key, payload = self._decode(raw)
         if why is not None:
-            self._discard(path, why)
+            if why.startswith(OTHER_VERSION):  # another portakern's entry: not ours to delete
+                self._skip(path, why)
+            else:
+                self._discard(path, why)
             return None
         return key, payload
 
+    # (the start of _decode's reason for an entry of another format version: such a file is
+    # valid for the portakern that wrote it, so it is skipped, never deleted)
     def _decode(self, raw: bytes) -> tuple[str | None, str, Any]:
         """(problem, key, payload): validate the envelope and its hash."""
         if len(raw) > MAX_FILE_BYTES:
@@ -307,7 +313,8 @@ class Store:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             return "it is not a portakern cache file", "", None
         if doc.get("version") != VERSION:
-            return f"it has format version {doc.get('version')!r}, expected {VERSION}", "", None
+            return (f"{OTHER_VERSION} {doc.get('version')!r}, expected {VERSION} (another "
+                    "portakern version sharing the cache)", "", None)
         key, payload, digest = doc.get("key"), doc.get("payload"), doc.get("sha256")
         if not isinstance(key, str) or not isinstance(digest, str) or "payload" not in doc:
             return "its envelope lacks key, payload or sha256", "", None
