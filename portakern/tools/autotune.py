@@ -222,14 +222,20 @@ class _Search:
         self.skipped: Counter[str] = Counter()
         self.space = math.prod(len(t.domain) for t in spec.tunables)
         mine = be.schedule_class if be.schedule_class in spec.schedules else be.device_class
-        first = [mine] + [c for c in spec.schedules if c != mine]
-        self.defaults: list[tuple[str, dict[str, Any]]] = []
-        for c in first:
-            if c in spec.schedules:
-                self.defaults.append(("default" if c == mine else f"default:{c}",
-                                      dict(spec.schedules[c])))
-        if not self.defaults:
-            self.defaults.append(("default", {}))
+        # "default" is what an untuned call runs: the device's schedule, the matrix-unit
+        # one ("mma") where the device has matrix units and the dtype takes it (the baseline
+        # was the plain schedule there, which such a device never runs by default)
+        from ..runtime.configs import has_matrix_unit
+
+        try:
+            untuned = dict(spec.config(be.schedule_class, None, prob,
+                                       matrix=has_matrix_unit(be)))
+        except PortakernError:
+            untuned = dict(spec.schedules.get(mine, {}))
+        self.defaults: list[tuple[str, dict[str, Any]]] = [("default", untuned)]
+        for c in spec.schedules:
+            if dict(spec.schedules[c]) != untuned:
+                self.defaults.append((f"default:{c}", dict(spec.schedules[c])))
         self.neighbours: list[dict[str, int]] = []
 
     def precheck(self, raw: Mapping[str, Any]) -> dict[str, int] | None:

@@ -417,3 +417,19 @@ def test_tune_and_show_refuse_sizes_the_op_does_not_take(db: Path,
     assert "empty problem" in capsys.readouterr().err
     assert cli_main(["tune", "--list"]) == 0
     assert "matmul" not in capsys.readouterr().out  # nothing stored
+
+
+def test_the_baseline_is_what_an_untuned_call_runs(be: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a device with matrix units an fp16 matmul runs the "mma" schedule (MMA 1) by
+    default; tune's "default" baseline was the plain schedule (MMA 0), so its "Nx vs default"
+    compared against a configuration such a device never runs."""
+    import numpy as np
+
+    prob = _prob(MATMUL, "float16", M=64, N=64, K=64)
+    plain = autotune._Search(MATMUL, be, prob, np.random.default_rng(0)).defaults[0]
+    assert plain == ("default", dict(MATMUL.config(be.schedule_class, None, prob)))
+    monkeypatch.setattr(configs, "has_matrix_unit", lambda b: True)
+    name, cfg = autotune._Search(MATMUL, be, prob, np.random.default_rng(0)).defaults[0]
+    assert name == "default" and cfg["MMA"] == 1
+    assert cfg == dict(MATMUL.config(be.schedule_class, None, prob, matrix=True))
