@@ -482,7 +482,10 @@ LAYOUTS = (
     (3, 8, 2, 1, 32, 32, 16, 6),  # GQA decode, ragged lengths
     (2, 4, 4, 1, 16, 16, 4, 12),  # multi-head, small pages
     (1, 4, 1, 3, 32, 32, 5, 8),  # multi-query, speculative (Sq = 3), pages of 5
-    (2, 2, 1, 2, 8, 16, 1, 20),  # pages of one token, D = 8 (the CPU's scalar path), Dv != D
+    # D = 8 (the CPU's scalar path), Dv != D, pages of 4: partial last pages there (with
+    # pages of one token, a mutant dropping a partial page's last token survived)
+    (2, 2, 1, 2, 8, 16, 4, 5),
+    (2, 2, 1, 2, 32, 32, 1, 20),  # pages of one token on the vector path: a chunk of 16 pages
     (1, 2, 2, 1, 32, 32, 16, 1),  # one page
 )
 

@@ -107,6 +107,13 @@ MUTANTS = {
         "softmax", "(pk_fv)(12582912.0f));\n    const pk_fv k = shifted - (pk_fv)(12582912.0f);",
         "(pk_fv)(8388608.0f));\n    const pk_fv k = shifted - (pk_fv)(8388608.0f);",
         {"VEC": 16, "WG": 1, "STORE_EXP": 1}, "float32"),
+    # the CPU schedule's exp-once path (STORE_EXP 1, VEC 16): its max pass over the scalar
+    # tail starts one element late; only a row whose max sits there (the generator's
+    # "spike" values) overflows exp and shows it
+    "softmax: the max pass skips the first element past the vectors": (
+        "softmax", "for (int j = j1; j < n; j += WG) {  /* a NaN, once in mx, stays */",
+        "for (int j = j1 + WG; j < n; j += WG) {  /* a NaN, once in mx, stays */",
+        {"STORE_EXP": 1, "VEC": 16, "WG": 1}, "float32"),
     "softmax: vector path skips the block rescale": (
         "softmax", "vt acc = sv * f;", "vt acc = sv;",
         {"VEC": 16, "WG": 1, "STORE_EXP": 0}, "float32"),
