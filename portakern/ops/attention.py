@@ -462,12 +462,10 @@ def score_mod_args(p: Problem) -> tuple[Scalar, ...]:
             Scalar(bs[0]), Scalar(bs[1]), Scalar(bs[2]), Scalar(bs[3]))
 
 
-def attended_pairs(sq: int, sk: int, causal: bool, window: tuple[int, int | None] | None,
-                   q_offset: int = 0) -> float:
-    """(query, key) pairs that causal and the window keep, the work the kernels do (a mask
-    is data, not counted: the flops are those of the unmasked call). Exact, per row."""
-    if sq == 0 or sk == 0:
-        return 0.0
+def _attended_ranges(sq: int, sk: int, causal: bool, window: tuple[int, int | None] | None,
+                     q_offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi): the first and last key each query row may attend under causal and the
+    window (hi < lo: none); both rise with the row."""
     i = np.arange(sq, dtype=np.int64) + q_offset
     lo = np.zeros(sq, np.int64)
     hi = np.full(sq, sk - 1, np.int64)
@@ -477,6 +475,16 @@ def attended_pairs(sq: int, sk: int, causal: bool, window: tuple[int, int | None
         lo = np.maximum(lo, i - window[0])
         if window[1] is not None:
             hi = np.minimum(hi, i + window[1])
+    return lo, hi
+
+
+def attended_pairs(sq: int, sk: int, causal: bool, window: tuple[int, int | None] | None,
+                   q_offset: int = 0) -> float:
+    """(query, key) pairs that causal and the window keep, the work the kernels do (a mask
+    is data, not counted: the flops are those of the unmasked call). Exact, per row."""
+    if sq == 0 or sk == 0:
+        return 0.0
+    lo, hi = _attended_ranges(sq, sk, causal, window, q_offset)
     return float(np.maximum(hi - lo + 1, 0).sum())
 
 
@@ -489,20 +497,12 @@ def attended_keys(sq: int, sk: int, causal: bool, window: tuple[int, int | None]
     bandwidth roof with it (a case's rate lifts the roof)."""
     if sq == 0 or sk == 0:
         return 0
-    i = np.arange(sq, dtype=np.int64) + q_offset
-    lo = np.zeros(sq, np.int64)
-    hi = np.full(sq, sk - 1, np.int64)
-    if causal:
-        hi = np.minimum(hi, i)
-    if window is not None:
-        lo = np.maximum(lo, i - window[0])
-        if window[1] is not None:
-            hi = np.minimum(hi, i + window[1])
+    lo, hi = _attended_ranges(sq, sk, causal, window, q_offset)
     live = hi >= lo
     lo, hi = lo[live], hi[live]
     if not lo.size:
         return 0
-    # both ends rise with i: a row adds the keys past the highest key before it
+    # both ends rise with the row: a row adds the keys past the highest key before it
     before = np.concatenate(([-1], np.maximum.accumulate(hi)[:-1]))
     return int(np.maximum(hi - np.maximum(lo, before + 1) + 1, 0).sum())
 
