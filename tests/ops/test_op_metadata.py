@@ -90,8 +90,11 @@ def test_builtin_ops_declare_their_representative_calls() -> None:
 def test_show_sizes_come_from_the_spec_example() -> None:
     mm = representative_problem(get_op("matmul"), "float32")
     assert mm.shapes == {"a": (256, 256), "b": (256, 256)}
-    assert representative_problem(get_op("matmul"), "float32", {"M": 7, "X": 3}).shapes["a"] \
-        == (7, 256)  # a size name the example does not take is ignored, as before
+    assert representative_problem(get_op("matmul"), "float32", {"M": 7}).shapes["a"] == (7, 256)
+    # a size name the example does not take is refused (it was ignored: `tune --shape m=16`
+    # tuned and stored 256^3)
+    with pytest.raises(pk.InvalidArgumentError, match="takes no such size"):
+        representative_problem(get_op("matmul"), "float32", {"M": 7, "X": 3})
     assert representative_problem(get_op("softmax"), "float16").shapes["x"] == (64, 1024)
     att = get_op("attention")
     p = representative_problem(att, "float32")
@@ -169,8 +172,9 @@ def test_without_examples_the_example_is_compiled(user_rows: Any) -> None:
 
 def test_show_renders_a_user_ops_sized_example(user_rows: Any) -> None:
     assert representative_problem(user_rows, "float32").shapes["x"] == (5, 99)
-    assert representative_problem(user_rows, "float32", {"n": 77, "zz": 1}).shapes["x"] \
-        == (5, 77)
+    assert representative_problem(user_rows, "float32", {"n": 77}).shapes["x"] == (5, 77)
+    with pytest.raises(pk.InvalidArgumentError, match="--shape zz"):
+        representative_problem(user_rows, "float32", {"n": 77, "zz": 1})
     src = show("user_rows", "cuda", shape="rows=3,n=77")
     assert "groups=(3, 1, 1)" in src.splitlines()[1] and "value=77" in src.splitlines()[1]
 
