@@ -154,7 +154,7 @@ PK_DEVICE_FN float pa_hmax8(float8 v) { return pa_hmax4(fmax(v.lo, v.hi)); }
 /* rw[j] = the row (in pages of Hkv * BS rows) of lane j's key in the chunk at slot s0 of the
  * group of pages from gp; a lane past its page's keys, or past the split's pages, gets lane
  * 0's row (lane 0's key always exists). One block-table read per page of the group, none
- * for a page past the split (a lookup per lane cost 13% of the decode in cache). (In the
+ * for a page past the split (a lookup per lane cost up to 13% in cache, under load). (In the
  * kernel: b, kvh, L, p_hi in scope.) */
 #define PA_ROWS(rw, gp, s0) do { \
         const int r0_ = (PA_BLOCK(gp) * Hkv + kvh) * BS + (s0); \
@@ -250,7 +250,7 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
             const int has_next = npg < p_hi;
 #if PA_PAGES == 1
             /* one page: the chunk's rows are consecutive from slot t0 (no row table: it cost
-             * 4-9% in cache), lanes past the page's last key on that key */
+             * 4-13% in cache, measured under load), lanes past the page's last key on that key */
             const int rbase = (PA_BLOCK(pg) * Hkv + kvh) * BS + t0, nk = nk0 - t0;
             const int nbase = has_next ? (PA_BLOCK(npg) * Hkv + kvh) * BS + nt0 : 0;
             const int nnk = has_next ? min(BS, L - npg * BS) - nt0 : 1;

@@ -302,7 +302,7 @@ def splits(p: Problem, cfg: Mapping[str, int]) -> tuple[int, int]:
 def pages_per_chunk(p: Problem, cfg: Mapping[str, int]) -> int:
     """PAGES, compile-time: the schedule's, or (PAGES = 0) as many pages as fill a chunk of
     VEC keys when a page holds fewer: VEC / the largest power of two <= BS (pages of 8 tokens
-    under 16 lanes: 2 pages a chunk, where one left half the lanes idle; 1.7x in cache on a
+    under 16 lanes: 2 pages a chunk, where one left half the lanes idle; 1.6x in cache on a
     Zen 4, docs/decode.md). Never more than VEC (the kernel clamps too: a group of more
     pages than a chunk's lanes would skip the pages past them)."""
     vec, bs = max(cfg["VEC"], 1), max(p.derived["BS"], 1)
