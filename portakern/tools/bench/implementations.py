@@ -150,8 +150,7 @@ def silicon_case(key: tuple[str, str, str], device: str, h: Sequence[str],
                             for r in group)
             # skipped by the bench's own choice (not_applicable) is not measured; anything
             # else (unsupported, an error, interrupted) is a member that cannot run it
-            skipped = all((r.get("ours") or {}).get("status") == "not_applicable"
-                          for r in group)
+            skipped = all(metrics.skipped(r) for r in group)
             c.members[name] = Member(name, source=", ".join(str(r.get("target"))
                                                             for r in group),
                                      status="not measured" if skipped else "cannot run",

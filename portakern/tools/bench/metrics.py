@@ -241,3 +241,10 @@ def attach_devices(result: Mapping[str, Any]) -> None:
         if not rec.get("implementation"):
             lab = str(rec.get("target", "?"))
             rec["implementation"] = impls.get(lab) or implementation_of(lab, None)
+
+
+def skipped(r: Mapping[str, Any]) -> bool:
+    """A target record the bench chose not to measure (``not_applicable``: a peer budget, a
+    split row): not measured, where an unsupported dtype or an error is a target that cannot
+    run (the same-silicon view and the per-device tables both read it so)."""
+    return (r.get("ours") or {}).get("status") == "not_applicable"

@@ -45,7 +45,7 @@ from .implementations import (
     members,
     silicon_cases,
 )
-from .metrics import attach_devices, cpu_model_of, device_key_of, target_title
+from .metrics import attach_devices, cpu_model_of, device_key_of, skipped, target_title
 
 SCHEMA_PREFIX = "portakern-bench/"
 CONTENTION_NOTE = 0.10  # flag cases during which others used more than this share of the CPUs
@@ -225,12 +225,6 @@ def portability(records: Sequence[Mapping[str, Any]], devices: Sequence[str]
         out.append(c)
     out.sort(key=lambda c: (c.key[0], c.key[1], c.flops, c.key[2]))
     return out
-
-
-def skipped(r: Mapping[str, Any]) -> bool:
-    """A record the bench chose not to measure (``not_applicable``: a peer budget, a split
-    row): not measured, where an unsupported dtype or an error is a target that cannot run."""
-    return (r.get("ours") or {}).get("status") == "not_applicable"
 
 
 def spread_text(sp: Mapping[str, Any] | None) -> str:
