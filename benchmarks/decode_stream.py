@@ -7,10 +7,14 @@ bounded by its outstanding misses, its writes mostly not. This script times, int
 by call in one process on one OpenCL device:
 
 - ``decode``: ``pk.paged_attention`` on the quick suite's case (B, Hq 32, Hkv 8, D 128, fp16,
-  pages of 16 tokens in a permuted pool; unsplit);
-- ``page stream``: a kernel that only reads the same pages in the same order (one work-item
-  per sequence and kv head, as the decode's CPU schedule; the next page prefetched into L2
-  as the decode does), summing them so nothing is elided;
+  pages of 16 tokens in a permuted pool), as users call it (the CPU schedule: a work-item
+  per sequence and split takes each page for its 8 kv heads in turn, HEADS 8);
+- ``decode, a head an item``: the same with HEADS 1, unsplit (a work-item per sequence and
+  kv head, the schedule before HEADS);
+- ``page stream``: a kernel that only reads the same pages in the same order as the decode
+  (each page for all kv heads in turn, one work-item per sequence and split; the next head's
+  page prefetched into L2 as the decode does), summing them so nothing is elided;
+- ``page stream, a head an item``: the same, one work-item per sequence and kv head;
 - ``flat read``: the same bytes read from one contiguous buffer (the best read rate);
 - ``negate in place``: the jax probe's traffic (a read and a write per element, counted 2n).
 
@@ -50,6 +54,35 @@ __kernel void page_stream(__global const ushort* K, __global const ushort* V,
                   + convert_uint16(vload16(0, V + page + i));
             a1 += convert_uint16(vload16(0, K + page + i + 16))
                   + convert_uint16(vload16(0, V + page + i + 16));
+        }
+    }
+    vstore16(a0 + a1, g, out);
+}
+__kernel void heads_stream(__global const ushort* K, __global const ushort* V,
+                           __global const int* BT, __global uint* out, int mb, int hkv,
+                           int row_elems, int nsplit) {
+    const int g = get_global_id(0);
+    const int b = g / nsplit, s = g - (g / nsplit) * nsplit;
+    const int pps = (mb + nsplit - 1) / nsplit;
+    const int plo = s * pps, phi = min(mb, plo + pps);
+    uint16 a0 = 0, a1 = 0;
+    for (int p = plo; p < phi; ++p) {
+        for (int h = 0; h < hkv; ++h) {  /* a block's heads sit side by side in the pool */
+            const size_t page = ((size_t)BT[b * mb + p] * hkv + h) * row_elems;
+            const int np = h + 1 < hkv ? p : p + 1, nh = h + 1 < hkv ? h + 1 : 0;
+            if (np < phi) {
+                const size_t nx = ((size_t)BT[b * mb + np] * hkv + nh) * row_elems;
+                for (int i = 0; i < row_elems; i += 32) {
+                    __builtin_prefetch(K + nx + i, 0, 1);
+                    __builtin_prefetch(V + nx + i, 0, 1);
+                }
+            }
+            for (int i = 0; i < row_elems; i += 32) {
+                a0 += convert_uint16(vload16(0, K + page + i))
+                      + convert_uint16(vload16(0, V + page + i));
+                a1 += convert_uint16(vload16(0, K + page + i + 16))
+                      + convert_uint16(vload16(0, V + page + i + 16));
+            }
         }
     }
     vstore16(a0 + a1, g, out);
@@ -95,6 +128,8 @@ def main(argv: list[str]) -> None:
     flat = pk.to_backend(np.ones(nbytes // 4, np.float32), target)
     prg = cl.Program(be.ctx, STREAM_SOURCE).build()
     stream_k = cl.Kernel(prg, "page_stream")
+    heads_k = cl.Kernel(prg, "heads_stream")
+    nsplit = 4  # the decode's automatic split on a 2-core CPU at B1
     flat_k = cl.Kernel(prg, "flat_read")
     neg_k = cl.Kernel(prg, "negate")
     bt_dev = cl.Buffer(be.ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
@@ -103,7 +138,16 @@ def main(argv: list[str]) -> None:
     items = 256
 
     def decode() -> None:
-        pk.paged_attention(q, k, v, table, lens, backend=target, config={"SPLIT": 1}).get()
+        pk.paged_attention(q, k, v, table, lens, backend=target).get()
+
+    def decode_head() -> None:
+        pk.paged_attention(q, k, v, table, lens, backend=target,
+                           config={"HEADS": 1, "SPLIT": 1}).get()
+
+    def heads_stream() -> None:
+        heads_k(be.queue, (batch * nsplit,), (1,), k.base_data, v.base_data, bt_dev, out,
+                np.int32(mb), np.int32(hkv), np.int32(bs * d), np.int32(nsplit))
+        be.queue.finish()
 
     def stream() -> None:
         stream_k(be.queue, (batch * hkv,), (1,), k.base_data, v.base_data, bt_dev, out,
@@ -118,7 +162,8 @@ def main(argv: list[str]) -> None:
         neg_k(be.queue, (nbytes // 4 // 8,), (128,), flat.base_data)
         be.queue.finish()
 
-    runs = {"decode": (decode, nbytes), "page stream": (stream, nbytes),
+    runs = {"decode": (decode, nbytes), "decode, a head an item": (decode_head, nbytes),
+            "page stream": (heads_stream, nbytes), "page stream, a head an item": (stream, nbytes),
             "flat read": (flat_read, nbytes), "negate in place": (negate, 2 * nbytes)}
     for fn, _ in runs.values():
         fn()
@@ -135,7 +180,7 @@ def main(argv: list[str]) -> None:
     for name, (_, moved) in runs.items():
         t = np.array(times[name])
         share = np.median(t / dec) * nbytes / moved if name != "decode" else 1.0
-        print(f"  {name:16s} {np.median(t) * 1e3:8.2f} ms  {moved / np.median(t) / 1e9:6.1f} GB/s"
+        print(f"  {name:28s} {np.median(t) * 1e3:8.2f} ms  {moved / np.median(t) / 1e9:6.1f} GB/s"
               + ("" if name == "decode" else
                  f"   decode's rate = {100 * share:.0f}% of this (median of per-round ratios)"))
 

@@ -6,9 +6,14 @@
  * slot t % BS. Query i of sequence b sits at position SL[b] - Sq + i and attends positions
  * <= its own (causal, bottom-right aligned), further bounded by the window (the window, attention_mods.c).
  *
- * One work-group = one (split, sequence, kv head, block of RB query rows). Its rows are the
- * G = Hq / Hkv query heads sharing the kv head times the Sq queries (grouped-query packing):
- * each K/V page is read once for all of them. The split s covers pages [s*pps, (s+1)*pps).
+ * One work-group = one (split, sequence, group of HEADS kv heads, block of RB query rows).
+ * Its rows are the G = Hq / Hkv query heads sharing a kv head times the Sq queries
+ * (grouped-query packing): each K/V page is read once for all of them. The split s covers
+ * pages [s*pps, (s+1)*pps). With HEADS > 1 the CPU schedule takes each page of the table
+ * for all its heads in turn (page-major): a block's heads sit side by side in the pool
+ * (NB, Hkv, BS, D), so the group reads Hkv * BS * D contiguous elements a page where one
+ * head alone reads a 1 / Hkv slice of them and jumps; the scalar path runs its heads one
+ * after another.
  * PA_SPLIT = 0: one split, the group writes O. PA_SPLIT = 1: the group writes its partial
  * (max PM, sum PL, unnormalised accumulator PA) and paged_attention_combine merges the splits
  * in a fixed order (split 0 first): deterministic, whatever order groups ran in.
@@ -155,14 +160,14 @@ PK_DEVICE_FN float pa_hmax8(float8 v) { return pa_hmax4(fmax(v.lo, v.hi)); }
  * group of pages from gp; a lane past its page's keys, or past the split's pages, gets lane
  * 0's row (lane 0's key always exists). One block-table read per page of the group, none
  * for a page past the split (a lookup per lane cost up to 13% in cache, under load). (In the
- * kernel: b, kvh, L, p_hi in scope.) */
-#define PA_ROWS(rw, gp, s0) do { \
-        const int r0_ = (PA_BLOCK(gp) * Hkv + kvh) * BS + (s0); \
+ * kernel: b, L, p_hi in scope; hd the kv head.) */
+#define PA_ROWS(rw, gp, s0, hd) do { \
+        const int r0_ = (PA_BLOCK(gp) * Hkv + (hd)) * BS + (s0); \
         _Pragma("unroll") for (int u_ = 0; u_ < PA_PAGES; ++u_) { \
             const int pu_ = (gp) + u_; \
             const int nku_ = pu_ < p_hi ? min(BS, L - pu_ * BS) : 0; /* the page's keys */ \
             const int base_ = u_ == 0 ? r0_ - (s0) \
-                              : (nku_ > 0 ? (PA_BLOCK(pu_) * Hkv + kvh) * BS : 0); \
+                              : (nku_ > 0 ? (PA_BLOCK(pu_) * Hkv + (hd)) * BS : 0); \
             _Pragma("unroll") for (int l_ = 0; l_ < PA_KPP; ++l_) \
                 rw[u_ * PA_KPP + l_] = (s0) + l_ < nku_ ? base_ + (s0) + l_ : r0_; \
         } \
@@ -192,8 +197,11 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
     const int s = g - rest * nsplit;
     const int bk = rest / nrb;
     const int rb = rest - bk * nrb;
-    const int b = bk / Hkv;
-    const int kvh = bk - b * Hkv;
+    const int nhg = (Hkv + HEADS - 1) / HEADS; /* groups of heads per sequence */
+    const int b = bk / nhg;
+    const int kvh0 = (bk - b * nhg) * HEADS; /* the group's first kv head */
+    const int nh = HEADS == 1 ? 1 : min(HEADS, Hkv - kvh0); /* its heads */
+    int kvh = kvh0;
     const int G = Hq / Hkv;
     const int R = G * Sq; /* rows of this kv head */
     const int lid = PK_LOCAL_ID(0);
@@ -215,51 +223,62 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 #define PA_BLOCK(pg) pa_clamp(BT[b * MB + (pg)], NB - 1)
 
 #if PA_VEC
-    pa_vt qv[RB][NQV];
-    pa_vt acc[RB][NAV];
-    float m[RB], l[RB], slope[RB];
-    int qpos[RB], brow[RB], poison[RB];
-    #pragma unroll
-    for (int r = 0; r < RB; ++r) {
-        const int ok = PA_ROW_OK(r);
-        const int qrow = ok ? PA_OROW(r) : 0;
+    /* per head of the group: its rows' scaled q, accumulators, max, sum */
+    pa_vt qv[HEADS][RB][NQV];
+    pa_vt acc[HEADS][RB][NAV];
+    float m[HEADS][RB], l[HEADS][RB], slope[HEADS][RB];
+    int qpos[RB], brow[HEADS][RB], poison[HEADS][RB];
+    for (int hh = 0; hh < nh; ++hh) {
+        kvh = kvh0 + hh;
         #pragma unroll
-        for (int c = 0; c < NQV; ++c)
-            qv[r][c] = ok ? PA_VLOAD(Q + qrow * DQ + c * VEC) * (pa_vt)(scale) : (pa_vt)(0.0f);
-        #pragma unroll
-        for (int c = 0; c < NAV; ++c) acc[r][c] = (pa_vt)(0.0f);
-        m[r] = -PK_INFINITY;
-        l[r] = 0.0f;
-        qpos[r] = ok ? q0pos + PA_QI(r) : -1; /* a row past R keeps no key */
-        brow[r] = ok ? PA_BROW(r) : 0;
-        poison[r] = 0;
-        slope[r] = ok && AT_HAS(AT_BIT_ALIBI) ? SLOPES[PA_QH(r)] : 0.0f;
+        for (int r = 0; r < RB; ++r) {
+            const int ok = PA_ROW_OK(r);
+            const int qrow = ok ? PA_OROW(r) : 0;
+            #pragma unroll
+            for (int c = 0; c < NQV; ++c)
+                qv[hh][r][c] = ok ? PA_VLOAD(Q + qrow * DQ + c * VEC) * (pa_vt)(scale)
+                                  : (pa_vt)(0.0f);
+            #pragma unroll
+            for (int c = 0; c < NAV; ++c) acc[hh][r][c] = (pa_vt)(0.0f);
+            m[hh][r] = -PK_INFINITY;
+            l[hh][r] = 0.0f;
+            qpos[r] = ok ? q0pos + PA_QI(r) : -1; /* a row past R keeps no key */
+            brow[hh][r] = ok ? PA_BROW(r) : 0;
+            poison[hh][r] = 0;
+            slope[hh][r] = ok && AT_HAS(AT_BIT_ALIBI) ? SLOPES[PA_QH(r)] : 0.0f;
+        }
     }
     const pa_it lanes = PA_LANES;
     /* lane j of a chunk: page lpage[j] of its group of pages, slot t0 + lslot[j] */
     const pa_it lpage = lanes / (pa_it)(PA_KPP);
     const pa_it lslot = lanes - lpage * (pa_it)(PA_KPP);
     for (int pg = p_lo; pg < p_hi; pg += PA_PAGES) {
-        const int nk0 = min(BS, L - pg * BS); /* keys of the group's first page: the most */
+      const int nk0 = min(BS, L - pg * BS); /* keys of the group's first page: the most */
+      for (int hh = 0; hh < nh; ++hh) { /* the page group for each head in turn */
+        kvh = kvh0 + hh;
         for (int t0 = 0; t0 < nk0; t0 += PA_KPP) {
             /* The chunk's row of every lane (a lane past its page's keys reads lane 0's row
              * again, in bounds; its score is masked below), and the next chunk's (this
              * group's next slots, else the next group's first) to prefetch. */
-            int nt0 = t0 + PA_KPP, npg = pg;
-            if (nt0 >= nk0) { nt0 = 0; npg = pg + PA_PAGES; }
+            int nt0 = t0 + PA_KPP, npg = pg, nkvh = kvh;
+            if (nt0 >= nk0) { /* the next head's first chunk, else the next group's */
+                nt0 = 0;
+                if (hh + 1 < nh) nkvh = kvh + 1;
+                else { nkvh = kvh0; npg = pg + PA_PAGES; }
+            }
             const int has_next = npg < p_hi;
 #if PA_PAGES == 1
             /* one page: the chunk's rows are consecutive from slot t0 (no row table: it cost
              * 4-13% in cache, measured under load), lanes past the page's last key on that key */
             const int rbase = (PA_BLOCK(pg) * Hkv + kvh) * BS + t0, nk = nk0 - t0;
-            const int nbase = has_next ? (PA_BLOCK(npg) * Hkv + kvh) * BS + nt0 : 0;
+            const int nbase = has_next ? (PA_BLOCK(npg) * Hkv + nkvh) * BS + nt0 : 0;
             const int nnk = has_next ? min(BS, L - npg * BS) - nt0 : 1;
 #define PA_ROW(j) (rbase + min((j), nk - 1))
 #define PA_NROW(j) (nbase + min((j), nnk - 1))
 #else
             int row[VEC], nrow[VEC];
-            PA_ROWS(row, pg, t0);
-            if (has_next) PA_ROWS(nrow, npg, nt0);
+            PA_ROWS(row, pg, t0, kvh);
+            if (has_next) PA_ROWS(nrow, npg, nt0, nkvh);
 #define PA_ROW(j) row[j]
 #define PA_NROW(j) nrow[j]
 #endif
@@ -286,8 +305,8 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                     const pa_vt k1 = PA_VLOAD(KC + r1 * DQ + c * VEC);
                     #pragma unroll
                     for (int r = 0; r < RB; ++r) {
-                        s0[r] = fma(qv[r][c], k0, s0[r]);
-                        s1[r] = fma(qv[r][c], k1, s1[r]);
+                        s0[r] = fma(qv[hh][r][c], k0, s0[r]);
+                        s1[r] = fma(qv[hh][r][c], k1, s1[r]);
                     }
                 }
                 #pragma unroll
@@ -323,8 +342,8 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                     for (int j = 0; j < VEC; ++j) {
                         const int kpos = kpj[j];
                         if (lvj[j] && PA_KEEP(qpos[r], kpos))
-                            sv = select(sv, (pa_vt)(PA_SCORE(dj[j], brow[r], qpos[r], kpos,
-                                                             slope[r])), lanes == (pa_it)(j));
+                            sv = select(sv, (pa_vt)(PA_SCORE(dj[j], brow[hh][r], qpos[r], kpos,
+                                                             slope[hh][r])), lanes == (pa_it)(j));
                     }
                 } else {
                     sv = select((pa_vt)(-PK_INFINITY), dots,
@@ -333,18 +352,18 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 /* The chunk's max; rescale only when it rises (the factor would be exactly
                  * 1 otherwise: the same sums, fewer operations). */
                 const float mc = PA_HMAX(sv);
-                if (mc > m[r]) {
+                if (mc > m[hh][r]) {
                     /* the rescale through the vector exp too (a libm call costs more) */
-                    const float corr = m[r] == -PK_INFINITY ? 0.0f
-                                       : PK_VEXP((pa_vt)(m[r] - mc)).s0;
-                    l[r] *= corr;
+                    const float corr = m[hh][r] == -PK_INFINITY ? 0.0f
+                                       : PK_VEXP((pa_vt)(m[hh][r] - mc)).s0;
+                    l[hh][r] *= corr;
                     #pragma unroll
-                    for (int c = 0; c < NAV; ++c) acc[r][c] *= (pa_vt)(corr);
-                    m[r] = mc;
+                    for (int c = 0; c < NAV; ++c) acc[hh][r][c] *= (pa_vt)(corr);
+                    m[hh][r] = mc;
                 }
-                const float shift = (m[r] == -PK_INFINITY) ? 0.0f : m[r];
+                const float shift = (m[hh][r] == -PK_INFINITY) ? 0.0f : m[hh][r];
                 wv[r] = PK_VEXP(sv - (pa_vt)(shift));
-                l[r] += PA_HSUM(wv[r]);
+                l[hh][r] += PA_HSUM(wv[r]);
             }
             /* P.V, register-blocked: PA_CG accumulator vectors of every row stay in registers
              * while the chunk's keys stream past, so each V vector is loaded (converted) once
@@ -359,7 +378,7 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                 for (int r = 0; r < RB; ++r)
                     #pragma unroll
                     for (int i = 0; i < PA_CG; ++i)
-                        if (c0 + i < NAV) a[r][i] = acc[r][c0 + i];
+                        if (c0 + i < NAV) a[r][i] = acc[hh][r][c0 + i];
                 #pragma unroll 1
                 for (int j = 0; j < VEC; ++j) {
                     const int rj = PA_ROW(j);
@@ -394,7 +413,7 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                     for (int r = 0; r < RB; ++r)
                         #pragma unroll
                         for (int i = 0; i < PA_CG; ++i)
-                            if (c0 + i < NAV) a[r][i] = acc[r][c0 + i];
+                            if (c0 + i < NAV) a[r][i] = acc[hh][r][c0 + i];
                     const int* kpj = (const int*)&kposv;
                     const int* lvj = (const int*)&live;
                     for (int j = 0; j < VEC; ++j) { /* a dead lane weighs 0: adds 0 */
@@ -414,39 +433,47 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
                         if (vbad && lvj[j])
                             #pragma unroll
                             for (int r = 0; r < RB; ++r)
-                                poison[r] |= PA_KEEP(qpos[r], kpj[j]);
+                                poison[hh][r] |= PA_KEEP(qpos[r], kpj[j]);
                     }
                 }
                 #pragma unroll
                 for (int r = 0; r < RB; ++r)
                     #pragma unroll
                     for (int i = 0; i < PA_CG; ++i)
-                        if (c0 + i < NAV) acc[r][c0 + i] = a[r][i];
+                        if (c0 + i < NAV) acc[hh][r][c0 + i] = a[r][i];
             }
         }
+      }
     }
-    #pragma unroll
-    for (int r = 0; r < RB; ++r) {
-        if (!PA_ROW_OK(r)) continue;
-        const int orow = PA_OROW(r);
-        const float lr = poison[r] ? PA_NAN : l[r]; /* a kept key's bad V row: NaN row */
+    for (int hh = 0; hh < nh; ++hh) {
+        kvh = kvh0 + hh;
+        #pragma unroll
+        for (int r = 0; r < RB; ++r) {
+            if (!PA_ROW_OK(r)) continue;
+            const int orow = PA_OROW(r);
+            /* a kept key's bad V row: NaN row */
+            const float lr = poison[hh][r] ? PA_NAN : l[hh][r];
 #if PA_SPLIT
-        PM[s * nrows + orow] = m[r];
-        PL[s * nrows + orow] = lr;
-        for (int c = 0; c < NAV; ++c)
-            PK_CAT(vstore, VEC)(acc[r][c], 0, PA + (s * nrows + orow) * DV + c * VEC);
+            PM[s * nrows + orow] = m[hh][r];
+            PL[s * nrows + orow] = lr;
+            for (int c = 0; c < NAV; ++c)
+                PK_CAT(vstore, VEC)(acc[hh][r][c], 0, PA + (s * nrows + orow) * DV + c * VEC);
 #else
-        for (int c = 0; c < NAV; ++c) {
-            const pa_vt o = (lr == 0.0f) ? (pa_vt)(0.0f) : acc[r][c] / (pa_vt)(lr);
-            for (int i = 0; i < VEC; ++i) PK_STORE_T(O, orow * DV + c * VEC + i, ((float*)&o)[i]);
-        }
+            for (int c = 0; c < NAV; ++c) {
+                const pa_vt o = (lr == 0.0f) ? (pa_vt)(0.0f) : acc[hh][r][c] / (pa_vt)(lr);
+                for (int i = 0; i < VEC; ++i)
+                    PK_STORE_T(O, orow * DV + c * VEC + i, ((float*)&o)[i]);
+            }
 #endif
+        }
     }
 #else /* scalar path */
     PK_LOCAL PK_ACC_T Qs[RB][DQ_]; /* scaled queries */
     PK_LOCAL PK_ACC_T Ss[RB][WG];  /* a tile's scores, then weights */
     PK_LOCAL PK_ACC_T Ms[RB], Ls[RB], Cs[RB];
     PK_ACC_T acc[PA_OPI];
+    for (int hh = 0; hh < nh; ++hh) { /* the group's heads one after another */
+    kvh = kvh0 + hh;
     for (int t = 0; t < PA_OPI; ++t) acc[t] = (PK_ACC_T)0;
     for (int idx = lid; idx < RB * DQ; idx += WG) {
         const int r = idx / DQ_, d = idx - (idx / DQ_) * DQ_;
@@ -545,6 +572,8 @@ PK_KERNEL void paged_attention(PK_GLOBAL const PK_T_T* PK_RESTRICT Q,
 #endif
             }
         }
+    }
+    PK_BARRIER(); /* (the next head overwrites Qs, Ms, Ls) */
     }
 #endif
 }

@@ -266,6 +266,21 @@ def rows_per_group(p: Problem, cfg: Mapping[str, int]) -> int:
     return min(cfg["RB"], 1 << (r - 1).bit_length())
 
 
+def heads_per_group(p: Problem, cfg: Mapping[str, int]) -> int:
+    """HEADS, compile-time: the kv heads one work-group takes (the schedule's, at most Hkv).
+    The CPU schedule takes every page for all of them in turn, reading each block's heads
+    side by side (docs/decode.md); the last group of a sequence may hold fewer."""
+    return max(1, min(cfg.get("HEADS", 1), p.derived["Hkv"]))
+
+
+def groups_per_split(p: Problem, cfg: Mapping[str, int]) -> int:
+    """Work-groups of one split: sequences x groups of heads x blocks of rows."""
+    d = p.derived
+    r = d["Hq"] // max(d["Hkv"], 1) * d["Sq"]
+    return (d["B"] * cdiv(max(d["Hkv"], 1), heads_per_group(p, cfg))
+            * cdiv(max(r, 1), rows_per_group(p, cfg)))
+
+
 SPLIT_GROUPS_PER_UNIT = 2  # split until the groups fill each compute unit this many times
 
 
@@ -278,8 +293,7 @@ def fit_device(p: Problem, cfg: dict[str, int], compute_units: int) -> dict[str,
     if cfg.get("SPLIT") != 0:
         return cfg
     d = p.derived
-    r = d["Hq"] // max(d["Hkv"], 1) * d["Sq"]
-    groups = d["B"] * d["Hkv"] * cdiv(max(r, 1), rows_per_group(p, cfg))
+    groups = groups_per_split(p, cfg)
     want = min(cdiv(SPLIT_GROUPS_PER_UNIT * compute_units, max(groups, 1)),
                d["MB"] * d["BS"] // MIN_SPLIT_KEYS, 128)
     cfg["SPLIT"] = 1 << (max(want, 1).bit_length() - 1)
@@ -317,6 +331,7 @@ def _store_kind(dtype: str) -> int:
 
 def defines(p: Problem, cfg: Mapping[str, int]) -> dict[str, Any]:
     return {"WG": cfg["WG"], "VEC": cfg["VEC"], "RB": rows_per_group(p, cfg),
+            "HEADS": heads_per_group(p, cfg),
             "ACC": cfg["ACC"], "PF": cfg.get("PF", 0),
             "PAGES": pages_per_chunk(p, cfg),
             "DQ": p.derived["D"], "DV": p.derived["Dv"], "PA_ST": _store_kind(p.dtype),
@@ -357,7 +372,8 @@ def launches(p: Problem, cfg: Mapping[str, int]) -> list[Launch]:
             Scalar(cap if right is None else min(right, cap)),
             Scalar(p.params.get("softcap") or 1.0, "acc"), Scalar(attention.score_mods(p)),
             Scalar(bs[0]), Scalar(bs[1]), Scalar(bs[2]), Scalar(bs[3]))
-    out = [Launch("paged_attention", (d["B"] * d["Hkv"] * nrb * ns, 1, 1), (cfg["WG"], 1, 1),
+    groups = d["B"] * cdiv(d["Hkv"], heads_per_group(p, cfg)) * nrb
+    out = [Launch("paged_attention", (groups * ns, 1, 1), (cfg["WG"], 1, 1),
                   args)]
     if split:
         out.append(Launch("paged_attention_combine", (cdiv(rows * d["Dv"], COMBINE_WG), 1, 1),
@@ -567,15 +583,21 @@ SPEC = KernelSpec(
                       "(prefetchnta), 1 into the outer caches (prefetcht2)"),
               Tunable("PAGES", (0, 1, 2, 4, 8, 16), "pages read side by side (CPU path): a "
                       "chunk's VEC keys are VEC / PAGES slots of each of PAGES consecutive "
-                      "pages; 0: enough pages to fill the chunk when a page is shorter")),
-    schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "ACC": 16, "SPLIT": 0, "PF": 0, "PAGES": 0},
+                      "pages; 0: enough pages to fill the chunk when a page is shorter"),
+              Tunable("HEADS", (1, 2, 4, 8, 16), "kv heads per work-group: the CPU path "
+                      "reads each page for all of them in turn (a block's heads side by "
+                      "side)")),
+    schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "ACC": 16, "SPLIT": 0, "PF": 0, "PAGES": 0,
+                       "HEADS": 1},
                # CPU: VEC 16 (zmm on AVX-512; 8 is 15-20% slower at 32768 tokens there);
-               # the next chunk into L2 (PF 1: 1.5-1.9x on a Zen 4, docs/decode.md)
-               "cpu": {"WG": 1, "VEC": 16, "RB": 8, "ACC": 16, "SPLIT": 0, "PF": 1, "PAGES": 0},
+               # the next chunk into L2 (PF 1: 1.5-1.9x on a Zen 4); a page for 8 kv heads
+               # in turn (HEADS 8: 1.3-1.4x from memory on a Zen 4, docs/decode.md)
+               "cpu": {"WG": 1, "VEC": 16, "RB": 8, "ACC": 16, "SPLIT": 0, "PF": 1,
+                       "PAGES": 0, "HEADS": 8},
                # AVX2: ymm vectors, and 16 of them: P.V keeps 8 accumulators, not 16 (which
                # spilled: 10-20% slower, docs/decode.md); prefetchnta measured best there
                "cpu256": {"WG": 1, "VEC": 8, "RB": 8, "ACC": 8, "SPLIT": 0, "PF": 0,
-                          "PAGES": 0}},
+                          "PAGES": 0, "HEADS": 8}},
     fit_device=fit_device,
     check_values=check_operand_values,
     unspecified_nonfinite=True,

@@ -189,6 +189,40 @@ def test_a_head_size_the_register_groups_do_not_divide(kernel_target: str,
     check(a, {}, kernel_target, cfg)
 
 
+def three_heads() -> dict[str, np.ndarray]:
+    """Two sequences (190 and 77 tokens) of 3 kv heads, GQA 6/3, Sq = 2: groups of 2 heads
+    leave a last group of one, so a group's sequence and heads both come from its id."""
+    return paged(np.random.default_rng(7), B=2, Hq=6, Hkv=3, Sq=2, D=32, BS=16, MB=12,
+                 lens=[190, 77])
+
+
+# kv heads per work-group: groups of 2 (2 + 1), 4 (one group of 3), 16 (clamped to 3), with
+# splits, pages side by side, and on the scalar path (its heads one after another)
+HEAD_CONFIGS = [{"HEADS": 1, "SPLIT": 1}, {"HEADS": 2, "SPLIT": 1}, {"HEADS": 2, "SPLIT": 4},
+                {"HEADS": 4, "SPLIT": 1}, {"HEADS": 16, "SPLIT": 2},
+                {"HEADS": 2, "PAGES": 2, "SPLIT": 1}, {"HEADS": 4, "VEC": 8, "SPLIT": 4},
+                {"WG": 32, "VEC": 1, "RB": 4, "HEADS": 2, "SPLIT": 1},
+                {"WG": 32, "VEC": 1, "RB": 4, "HEADS": 4, "SPLIT": 4}]
+
+
+@pytest.mark.parametrize("config", HEAD_CONFIGS, ids=lambda c: "-".join(
+    f"{k}{v}" for k, v in c.items()))
+def test_groups_of_kv_heads(kernel_target: str, config: dict[str, int]) -> None:
+    """A work-group of HEADS kv heads reads each page for all of them in turn: every head's
+    rows match the oracle however the heads are grouped, and the launch has one group per
+    sequence, group of heads, block of rows and split."""
+    be = selection.get(kernel_target)
+    cfg = {**SPEC.schedules[be.device_class], **config}
+    a = three_heads()
+    check(a, {}, kernel_target, cfg)
+    prob = SPEC.problem(a, dict(SPEC.params))
+    heads = min(config["HEADS"], 3)
+    assert pa.heads_per_group(prob, cfg) == heads
+    ns, _ = pa.splits(prob, cfg)
+    nrb = -(-4 // pa.rows_per_group(prob, cfg))  # 2 query heads x Sq 2 rows a kv head
+    assert SPEC.launches(prob, cfg)[0].groups[0] == 2 * -(-3 // heads) * nrb * ns
+
+
 def test_automatic_pages_fill_the_chunk() -> None:
     """PAGES = 0: a chunk of VEC keys takes as many pages as it needs when a page is
     shorter than the chunk (pages of 8 under 16 lanes: 2; of 12: 2, slots 8-15 of the
@@ -217,7 +251,15 @@ def test_automatic_split_follows_the_compute_units() -> None:
     assert fitted(1, 1024, 132) == 1024 // pa.MIN_SPLIT_KEYS
     assert fitted(1, 256, 132) == 1
     assert fitted(64, 4096, 132) == 1  # 512 groups already
-    assert fitted(1, 32768, 2) == 1  # a 2-core CPU: the 8 kv heads fill it
+    assert fitted(1, 32768, 2) == 1  # one kv head a group: the 8 kv heads fill 2 cores
+
+    def fitted_cpu(B: int, ctx: int, units: int) -> int:
+        ex, _ = pa.example("float16", B=B, MB=ctx // 16)
+        prob = SPEC.problem(ex, dict(SPEC.params))
+        return pa.splits(prob, pa.fit_device(prob, dict(SPEC.schedules["cpu"]), units))[0]
+
+    # the CPU schedule's group holds all 8 kv heads: one group a sequence, so B1 splits
+    assert fitted_cpu(1, 32768, 2) == 4 and fitted_cpu(8, 32768, 2) == 1
     ex, _ = pa.example("float16", B=1, MB=2048)
     prob = SPEC.problem(ex, dict(SPEC.params))
     assert pa.splits(prob, dict(SPEC.schedules["gpu"])) == (1, 2048)
@@ -319,6 +361,19 @@ _UNCHECKED: list[object] = []
 
 
 @pytest.mark.simulator
+@pytest.mark.parametrize("schedule", ["cpu", "gpu"])
+def test_simulator_groups_of_kv_heads(schedule: str) -> None:
+    """Groups of 2 kv heads over 3 (the last group holds one) on Oclgrind, unsplit and
+    split: no access out of bounds or uninitialised, and the oracle's values."""
+    _simulator()
+    a = paged(np.random.default_rng(4), B=2, Hq=3, Hkv=3, Sq=2, D=16, BS=4, MB=5,
+              lens=[6, 20])
+    cfg = {**SPEC.schedules[schedule], "HEADS": 2}
+    for split in (1, 2):
+        check(a, {}, SIM, {**cfg, "SPLIT": split, "WG": min(cfg["WG"], 32)})
+
+
+@pytest.mark.simulator
 @pytest.mark.parametrize("schedule", ["gpu", "cpu", "cpu256", "cpu-PAGES4", "cpu-PAGES16",
                                       "cpu256-PAGES16"])
 def test_simulator_split_and_unchecked_bad_tables(schedule: str) -> None:
@@ -388,7 +443,8 @@ MUTANTS = {
         "const int q0pos = L - Sq;", "const int q0pos = 0;", {"SPLIT": 1}),
     # the CPU schedule's register-blocked chunk (VEC 16: the default there)
     "the accumulators miss the rescale when the running max rises": (
-        "acc[r][c] *= (pa_vt)(corr);", "acc[r][c] *= (pa_vt)(1.0f);", {"SPLIT": 1, "VEC": 16}),
+        "acc[hh][r][c] *= (pa_vt)(corr);", "acc[hh][r][c] *= (pa_vt)(1.0f);",
+        {"SPLIT": 1, "VEC": 16}),
     "the score tree pairs partial sums of two keys": (
         "PA_SH(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18",
         "PA_SH(a, b, 2, 0, 4, 6, 8, 10, 12, 14, 16, 18", {"SPLIT": 1, "VEC": 16}),
@@ -406,6 +462,15 @@ MUTANTS = {
     "every lane of a chunk reads the group's first page": (
         "(nku_ > 0 ? (PA_BLOCK(pu_) * Hkv", "(nku_ > 0 ? (PA_BLOCK(gp) * Hkv",
         {"SPLIT": 1, "VEC": 16, "PAGES": 4}),
+    # groups of kv heads (HEADS; their case: three_heads, CASE_EDITS)
+    "every head of a group reads its first head's pages": (
+        "        kvh = kvh0 + hh;\n        for (int t0", "        kvh = kvh0;\n        for (int t0",
+        {"SPLIT": 1, "VEC": 16, "HEADS": 4}),
+    "a sequence's last group of heads (fewer than HEADS) runs none": (
+        "min(HEADS, Hkv - kvh0)", "min(HEADS, Hkv) - kvh0", {"SPLIT": 1, "VEC": 16, "HEADS": 2}),
+    "the scalar path runs a group's first head for every head": (
+        "    kvh = kvh0 + hh;\n    for (int t = 0; t < PA_OPI", "    for (int t = 0; t < PA_OPI",
+        {"SPLIT": 1, "WG": 32, "VEC": 1, "RB": 4, "HEADS": 2}),
     "a split's last group keeps lanes of pages past the split's end": (
         "            live &= lpage < (pa_it)(p_hi - pg);\n", "",
         {"SPLIT": 8, "VEC": 16, "PAGES": 4}),  # 10 pages a split: groups of 4, 4, 2
@@ -413,7 +478,11 @@ MUTANTS = {
 
 
 # mutants whose fault only shows on a case edited so (the others keep the plain case)
-CASE_EDITS = {"P.V never redoes a chunk whose V rows hold a NaN or an inf": nonfinite_v}
+CASE_EDITS = {"P.V never redoes a chunk whose V rows hold a NaN or an inf": nonfinite_v,
+              **{name: lambda _: three_heads() for name in (
+                  "every head of a group reads its first head's pages",
+                  "a sequence's last group of heads (fewer than HEADS) runs none",
+                  "the scalar path runs a group's first head for every head")}}
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
@@ -431,7 +500,11 @@ def test_mutant_is_caught(name: str) -> None:
     if name in CASE_EDITS:
         a = CASE_EDITS[name](a)
     config = {**SPEC.schedules[be.device_class], **cfg}
-    got = pk.call(mutant, **a, backend=be, config=config)
+    # into NaN: an output a mutant leaves unwritten must not pass with what a pooled buffer
+    # held (a correct result of the same case, run before)
+    b, hq, sq, _ = a["q"].shape
+    out = pk.to_backend(np.full((b, hq, sq, a["v_cache"].shape[3]), np.nan, np.float32), target)
+    got = pk.call(mutant, **a, backend=be, config=config, out=out).get()
     assert not compare_case(SPEC, Case(a, {}, "mutant"), got, be).ok, f"{name!r} survived"
 
 
