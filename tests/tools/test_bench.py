@@ -2098,21 +2098,30 @@ def test_attention_backward_memory_record_and_table(kernel_target: str) -> None:
 
 # --- decode rows (issue 29): paged_attention ------------------------------------------------------
 def test_quick_suite_has_the_decode_rows_split_beside_unsplit() -> None:
+    """The row users get (no config: the splits the call chooses) beside none forced; the
+    peers beside the first."""
     rows = [c for c in suites.suite_cases("quick") if c.op == "paged_attention"]
     assert {c.dtype for c in rows} == {"float16"}  # an fp16 cache unless --dtypes says
     got = {(c.size["B"], c.size["ctx"], c.size["split"]) for c in rows}
-    assert got == {(b, ctx, s) for b in (1, 8) for ctx in (4096, 32768) for s in (1, 8)}
+    assert got == {(b, ctx, s) for b in (1, 8) for ctx in (4096, 32768) for s in (0, 1)}
     assert all((c.size["Hq"], c.size["Hkv"], c.size["D"]) == (32, 8, 128) for c in rows)
+    auto = next(c for c in rows if c.size["B"] == 1 and c.size["ctx"] == 32768
+                and c.size["split"] == 0)
+    assert auto.label == "B1 H32 kv8 D128 ctx32768 split auto"
+    assert suites.bench_config(auto) is None  # exactly the user's call
     one = next(c for c in rows if c.size["B"] == 1 and c.size["ctx"] == 32768
-               and c.size["split"] == 8)
-    assert one.label == "B1 H32 kv8 D128 ctx32768 split8"
-    assert suites.bench_config(one) == {"SPLIT": 8}
-    assert "unsplit row" in (suites.peer_skip(one) or "")
-    big = next(c for c in rows if c.size["B"] == 8 and c.size["ctx"] == 32768
                and c.size["split"] == 1)
+    assert one.label == "B1 H32 kv8 D128 ctx32768 unsplit"
+    assert suites.bench_config(one) == {"SPLIT": 1}
+    assert "split-auto row" in (suites.peer_skip(one) or "")
+    forced = suites.BenchCase("paged_attention", "float16", {**auto.size, "split": 8})
+    assert suites.paged_label(forced.size).endswith(" split8")
+    assert suites.bench_config(forced) == {"SPLIT": 8}
+    big = next(c for c in rows if c.size["B"] == 8 and c.size["ctx"] == 32768
+               and c.size["split"] == 0)
     assert "MiB" in (suites.peer_skip(big) or "")  # the gathered cache would not fit
     small = next(c for c in rows if c.size["B"] == 1 and c.size["ctx"] == 4096
-                 and c.size["split"] == 1)
+                 and c.size["split"] == 0)
     assert suites.peer_skip(small) is None
     assert suites.bench_config(suites.BenchCase("softmax", "float32", {"rows": 1, "cols": 1})) \
         is None

@@ -121,8 +121,9 @@ def size_label(op: str, size: dict[str, Any], params: dict[str, Any]) -> str:
 
 
 def paged_label(size: dict[str, Any]) -> str:
-    """``B1 H32 kv8 D128 ctx32768 unsplit`` / ``... split8``: a decode step over a paged
-    cache of ``ctx`` tokens per sequence, the kernel's key splits forced (1: none)."""
+    """``B1 H32 kv8 D128 ctx32768 split auto`` / ``... unsplit`` / ``... split8``: a decode
+    step over a paged cache of ``ctx`` tokens per sequence, the kernel's key splits as a
+    user's call chooses them (0) or forced (1: none)."""
     n = int(size.get("split", 0))
     how = "unsplit" if n == 1 else f"split{n}" if n else "split auto"
     return (f"B{size['B']} H{size['Hq']} kv{size['Hkv']} D{size['D']} ctx{size['ctx']} "
@@ -137,14 +138,16 @@ def bench_config(case: BenchCase) -> dict[str, int] | None:
 
 
 def peer_skip(case: BenchCase) -> str | None:
-    """Why the peers do not run on a case (None: they do). Decode rows: a forced split row
-    shares its peers with the unsplit row beside it (the peers do not split), and the
-    unfused peers' gathered, head-repeated cache must fit PAGED_PEER_BYTES."""
+    """Why the peers do not run on a case (None: they do). Decode rows: the peers run beside
+    the row users get (split auto: no config), and a row that forces a split count shares
+    them (the peers do not split); the unfused peers' gathered, head-repeated cache must
+    fit PAGED_PEER_BYTES."""
     if case.op not in PAGED_OPS:
         return None
     s = case.size
-    if int(s.get("split", 1)) != 1:
-        return "the peers of this decode case are on its unsplit row (they do not split)"
+    if int(s.get("split", 0)) != 0:
+        return ("the peers of this decode case are on its split-auto row (they do not "
+                "split)")
     nbytes = 2 * s["B"] * s["Hq"] * s["ctx"] * s["D"] * dtypes.info(case.dtype).compute.itemsize
     if nbytes > PAGED_PEER_BYTES:
         return (f"the unfused peers would gather and repeat the cache to {s['Hq']} heads in "
@@ -448,9 +451,10 @@ SIZES: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {
                       (_att(4096), {"causal": True})],
         # the S=4096 backward carries issue 28's target (<= 1.0x the unfused chain's time)
         "attention_backward": [(_att(1024), {"causal": False}), (_att(4096), {"causal": False})],
-        # decode (issue 29): Llama-3-8B's heads, an fp16 cache, unsplit and split side by side
+        # decode (issue 29): Llama-3-8B's heads, an fp16 cache; the splits a call chooses
+        # (what users run) beside none forced
         "paged_attention": [(_paged(b, ctx, split), {}) for ctx in (4096, 32768)
-                            for b in (1, 8) for split in (1, 8)],
+                            for b in (1, 8) for split in (0, 1)],
     },
     "full": {
         "matmul": [(_mm(n), {}) for n in (128, 256, 512, 1024, 2048, 4096, 8192)]
@@ -465,7 +469,7 @@ SIZES: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {
            (_att(2048, b=4, h=16), {"causal": False}), (_att(4096), {"causal": True})],
         "attention_backward": [(_att(s), {"causal": False}) for s in (1024, 4096)],
         "paged_attention": [(_paged(b, ctx, split), {}) for ctx in (4096, 32768)
-                            for b in (1, 8, 32) for split in (1, 0)],
+                            for b in (1, 8, 32) for split in (0, 1)],
     },
 }
 
