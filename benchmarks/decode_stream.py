@@ -12,8 +12,9 @@ by call in one process on one OpenCL device:
 - ``decode, a head an item``: the same with HEADS 1, unsplit (a work-item per sequence and
   kv head, the schedule before HEADS);
 - ``page stream``: a kernel that only reads the same pages in the same order as the decode
-  (each page for all kv heads in turn, one work-item per sequence and split; the next head's
-  page prefetched into L2 as the decode does), summing them so nothing is elided;
+  (each page for a group's kv heads in turn, one work-item per sequence, group of heads and
+  split, as the decode's plan on this device partitions them; the next head's page
+  prefetched into L2 as the decode does), summing them so nothing is elided;
 - ``page stream, a head an item``: the same, one work-item per sequence and kv head;
 - ``flat read``: the same bytes read from one contiguous buffer (the best read rate);
 - ``negate in place``: the jax probe's traffic (a read and a write per element, counted 2n).
@@ -31,7 +32,9 @@ from typing import Any
 import numpy as np
 
 import portakern as pk
-from portakern.runtime import selection
+from portakern.ops import get_op
+from portakern.ops import paged_attention as pa
+from portakern.runtime import configs, selection
 
 STREAM_SOURCE = r"""
 __kernel void page_stream(__global const ushort* K, __global const ushort* V,
@@ -60,16 +63,18 @@ __kernel void page_stream(__global const ushort* K, __global const ushort* V,
 }
 __kernel void heads_stream(__global const ushort* K, __global const ushort* V,
                            __global const int* BT, __global uint* out, int mb, int hkv,
-                           int row_elems, int nsplit) {
+                           int row_elems, int nsplit, int heads) {
     const int g = get_global_id(0);
-    const int b = g / nsplit, s = g - (g / nsplit) * nsplit;
+    const int ng = (hkv + heads - 1) / heads;
+    const int s = g % nsplit, bg = g / nsplit, b = bg / ng;
+    const int h0 = (bg - b * ng) * heads, h1 = min(hkv, h0 + heads);
     const int pps = (mb + nsplit - 1) / nsplit;
     const int plo = s * pps, phi = min(mb, plo + pps);
     uint16 a0 = 0, a1 = 0;
     for (int p = plo; p < phi; ++p) {
-        for (int h = 0; h < hkv; ++h) {  /* a block's heads sit side by side in the pool */
+        for (int h = h0; h < h1; ++h) {  /* a block's heads sit side by side in the pool */
             const size_t page = ((size_t)BT[b * mb + p] * hkv + h) * row_elems;
-            const int np = h + 1 < hkv ? p : p + 1, nh = h + 1 < hkv ? h + 1 : 0;
+            const int np = h + 1 < h1 ? p : p + 1, nh = h + 1 < h1 ? h + 1 : h0;
             if (np < phi) {
                 const size_t nx = ((size_t)BT[b * mb + np] * hkv + nh) * row_elems;
                 for (int i = 0; i < row_elems; i += 32) {
@@ -129,12 +134,18 @@ def main(argv: list[str]) -> None:
     prg = cl.Program(be.ctx, STREAM_SOURCE).build()
     stream_k = cl.Kernel(prg, "page_stream")
     heads_k = cl.Kernel(prg, "heads_stream")
-    nsplit = 4  # the decode's automatic split on a 2-core CPU at B1
+    # the decode's partition on this device: its groups of heads and splits, as planned
+    spec = get_op("paged_attention")
+    prob = spec.problem({"q": q, "k_cache": k, "v_cache": v, "block_table": table,
+                         "seq_lens": lens}, dict(spec.params))
+    cfg = configs.config_for(be, spec, prob)
+    nsplit, heads = pa.splits(prob, cfg)[0], pa.heads_per_group(prob, cfg)
+    groups = batch * -(-hkv // heads) * nsplit
     flat_k = cl.Kernel(prg, "flat_read")
     neg_k = cl.Kernel(prg, "negate")
     bt_dev = cl.Buffer(be.ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
                        hostbuf=table)
-    out = cl.Buffer(be.ctx, cl.mem_flags.READ_WRITE, 64 * batch * hkv * 4 + 4096 * 64)
+    out = cl.Buffer(be.ctx, cl.mem_flags.READ_WRITE, 64 * batch * hkv * 128 + 4096 * 64)
     items = 256
 
     def decode() -> None:
@@ -145,8 +156,9 @@ def main(argv: list[str]) -> None:
                            config={"HEADS": 1, "SPLIT": 1}).get()
 
     def heads_stream() -> None:
-        heads_k(be.queue, (batch * nsplit,), (1,), k.base_data, v.base_data, bt_dev, out,
-                np.int32(mb), np.int32(hkv), np.int32(bs * d), np.int32(nsplit))
+        heads_k(be.queue, (groups,), (1,), k.base_data, v.base_data, bt_dev, out,
+                np.int32(mb), np.int32(hkv), np.int32(bs * d), np.int32(nsplit),
+                np.int32(heads))
         be.queue.finish()
 
     def stream() -> None:
@@ -175,7 +187,8 @@ def main(argv: list[str]) -> None:
             runs[name][0]()
             times[name].append(time.perf_counter() - t0)
     print(f"{target}: B{batch} x {ctx_len} tokens, {nbytes / 2**20:.0f} MiB of pages, "
-          f"{rounds} interleaved rounds")
+          f"{rounds} interleaved rounds; the decode's plan: {heads} kv heads a group, "
+          f"{nsplit} splits")
     dec = np.array(times["decode"])
     for name, (_, moved) in runs.items():
         t = np.array(times[name])

@@ -267,9 +267,10 @@ def rows_per_group(p: Problem, cfg: Mapping[str, int]) -> int:
 
 
 def heads_per_group(p: Problem, cfg: Mapping[str, int]) -> int:
-    """HEADS, compile-time: the kv heads one work-group takes (the schedule's, at most Hkv).
-    The CPU schedule takes every page for all of them in turn, reading each block's heads
-    side by side (docs/decode.md); the last group of a sequence may hold fewer."""
+    """HEADS, compile-time: the kv heads one work-group takes (at most Hkv; 0, unresolved by
+    a device, e.g. a tool rendering source, reads as 1). The CPU path takes every page for
+    all of them in turn, reading each block's heads side by side (docs/decode.md); the last
+    group of a sequence may hold fewer."""
     return max(1, min(cfg.get("HEADS", 1), p.derived["Hkv"]))
 
 
@@ -282,14 +283,34 @@ def groups_per_split(p: Problem, cfg: Mapping[str, int]) -> int:
 
 
 SPLIT_GROUPS_PER_UNIT = 2  # split until the groups fill each compute unit this many times
+MAX_AUTO_HEADS = 8  # HEADS = 0 takes at most this many (8: 1.2-1.4x from memory on a Zen 4)
+
+
+def auto_heads(p: Problem, cfg: Mapping[str, int], compute_units: int) -> int:
+    """HEADS = 0: the most kv heads a group (MAX_AUTO_HEADS, halved) for which the call's
+    groups, times the splits it may take (SPLIT's if forced, else as many as keep
+    MIN_SPLIT_KEYS keys each), still fill each compute unit SPLIT_GROUPS_PER_UNIT times:
+    the locality of a group of heads never costs a core its work (a B1 call forced unsplit
+    on 2 cores takes 2, 64 cores at 4096 tokens take 1)."""
+    d = p.derived
+    split = cfg.get("SPLIT", 0)
+    most = splits(p, cfg)[0] if split > 0 else max(1, min(d["MB"] * d["BS"] // MIN_SPLIT_KEYS,
+                                                          128))
+    want = SPLIT_GROUPS_PER_UNIT * compute_units
+    h = MAX_AUTO_HEADS
+    while h > 1 and groups_per_split(p, {**cfg, "HEADS": h}) * most < want:
+        h //= 2
+    return h
 
 
 def fit_device(p: Problem, cfg: dict[str, int], compute_units: int) -> dict[str, int]:
-    """The spec's ``fit_device``: SPLIT = 0 becomes the number of key splits (a power of two
-    in the tunable's domain) that fills each of the device's compute units
-    SPLIT_GROUPS_PER_UNIT times over with the call's groups, keeping at least
-    MIN_SPLIT_KEYS keys per split: decode at small batch on a GPU splits, a large batch or a
-    short context does not, nor a CPU whose few cores the kv heads already fill."""
+    """The spec's ``fit_device``: HEADS = 0 becomes ``auto_heads``; then SPLIT = 0 becomes
+    the number of key splits (a power of two in the tunable's domain) that fills each of the
+    device's compute units SPLIT_GROUPS_PER_UNIT times over with the call's groups, keeping
+    at least MIN_SPLIT_KEYS keys per split: decode at small batch on a GPU splits, a large
+    batch or a short context does not, nor a CPU whose few cores the groups already fill."""
+    if cfg.get("HEADS") == 0:
+        cfg["HEADS"] = auto_heads(p, cfg, compute_units)
     if cfg.get("SPLIT") != 0:
         return cfg
     d = p.derived
@@ -584,20 +605,21 @@ SPEC = KernelSpec(
               Tunable("PAGES", (0, 1, 2, 4, 8, 16), "pages read side by side (CPU path): a "
                       "chunk's VEC keys are VEC / PAGES slots of each of PAGES consecutive "
                       "pages; 0: enough pages to fill the chunk when a page is shorter"),
-              Tunable("HEADS", (1, 2, 4, 8, 16), "kv heads per work-group: the CPU path "
+              Tunable("HEADS", (0, 1, 2, 4, 8, 16), "kv heads per work-group: the CPU path "
                       "reads each page for all of them in turn (a block's heads side by "
-                      "side)")),
+                      "side); 0: up to 8, as many as still give every compute unit its "
+                      "groups")),
     schedules={"gpu": {"WG": 128, "VEC": 1, "RB": 8, "ACC": 16, "SPLIT": 0, "PF": 0, "PAGES": 0,
                        "HEADS": 1},
                # CPU: VEC 16 (zmm on AVX-512; 8 is 15-20% slower at 32768 tokens there);
-               # the next chunk into L2 (PF 1: 1.5-1.9x on a Zen 4); a page for 8 kv heads
-               # in turn (HEADS 8: 1.3-1.4x from memory on a Zen 4, docs/decode.md)
+               # the next chunk into L2 (PF 1: 1.5-1.9x on a Zen 4); a page for up to 8 kv
+               # heads in turn (HEADS 8: 1.2-1.4x from memory on a Zen 4, docs/decode.md)
                "cpu": {"WG": 1, "VEC": 16, "RB": 8, "ACC": 16, "SPLIT": 0, "PF": 1,
-                       "PAGES": 0, "HEADS": 8},
+                       "PAGES": 0, "HEADS": 0},
                # AVX2: ymm vectors, and 16 of them: P.V keeps 8 accumulators, not 16 (which
                # spilled: 10-20% slower, docs/decode.md); prefetchnta measured best there
                "cpu256": {"WG": 1, "VEC": 8, "RB": 8, "ACC": 8, "SPLIT": 0, "PF": 0,
-                          "PAGES": 0, "HEADS": 8}},
+                          "PAGES": 0, "HEADS": 0}},
     fit_device=fit_device,
     check_values=check_operand_values,
     unspecified_nonfinite=True,

@@ -201,6 +201,8 @@ def three_heads() -> dict[str, np.ndarray]:
 HEAD_CONFIGS = [{"HEADS": 1, "SPLIT": 1}, {"HEADS": 2, "SPLIT": 1}, {"HEADS": 2, "SPLIT": 4},
                 {"HEADS": 4, "SPLIT": 1}, {"HEADS": 16, "SPLIT": 2},
                 {"HEADS": 2, "PAGES": 2, "SPLIT": 1}, {"HEADS": 4, "VEC": 8, "SPLIT": 4},
+                # two blocks of 2 rows a kv head (RB 2), in groups of 2 heads
+                {"HEADS": 2, "RB": 2, "SPLIT": 2},
                 {"WG": 32, "VEC": 1, "RB": 4, "HEADS": 2, "SPLIT": 1},
                 {"WG": 32, "VEC": 1, "RB": 4, "HEADS": 4, "SPLIT": 4}]
 
@@ -253,13 +255,24 @@ def test_automatic_split_follows_the_compute_units() -> None:
     assert fitted(64, 4096, 132) == 1  # 512 groups already
     assert fitted(1, 32768, 2) == 1  # one kv head a group: the 8 kv heads fill 2 cores
 
-    def fitted_cpu(B: int, ctx: int, units: int) -> int:
+    def fitted_cpu(B: int, ctx: int, units: int, split: int = 0) -> tuple[int, int]:
+        """(HEADS, splits) the CPU schedule (HEADS = 0) takes."""
         ex, _ = pa.example("float16", B=B, MB=ctx // 16)
         prob = SPEC.problem(ex, dict(SPEC.params))
-        return pa.splits(prob, pa.fit_device(prob, dict(SPEC.schedules["cpu"]), units))[0]
+        cfg = pa.fit_device(prob, {**SPEC.schedules["cpu"], "SPLIT": split}, units)
+        return pa.heads_per_group(prob, cfg), pa.splits(prob, cfg)[0]
 
-    # the CPU schedule's group holds all 8 kv heads: one group a sequence, so B1 splits
-    assert fitted_cpu(1, 32768, 2) == 4 and fitted_cpu(8, 32768, 2) == 1
+    # HEADS = 0: up to 8 kv heads a group while every core keeps 2 groups: B1 on 2 cores
+    # holds all 8 in one group and splits in 4; forced unsplit it takes 2 heads (4 groups);
+    # a context too short to split, 2; 64 cores at 4096 tokens, 1 (8 x 16 splits)
+    assert fitted_cpu(1, 32768, 2) == (8, 4) and fitted_cpu(8, 32768, 2) == (8, 1)
+    assert fitted_cpu(1, 32768, 2, split=1) == (2, 1)
+    assert fitted_cpu(1, 256, 2) == (2, 1)
+    assert fitted_cpu(1, 4096, 64) == (1, 16) and fitted_cpu(1, 32768, 64) == (8, 128)
+    assert fitted_cpu(4, 256, 64) == (1, 1)
+    ex, _ = pa.example("float16", B=1, MB=64)
+    prob = SPEC.problem(ex, dict(SPEC.params))
+    assert pa.heads_per_group(prob, SPEC.schedules["cpu"]) == 1  # no device: one head
     ex, _ = pa.example("float16", B=1, MB=2048)
     prob = SPEC.problem(ex, dict(SPEC.params))
     assert pa.splits(prob, dict(SPEC.schedules["gpu"])) == (1, 2048)
@@ -430,6 +443,33 @@ def test_nonfinite_v_rows_poison_exactly_the_rows_that_attend_them(kernel_target
     assert np.isnan(got[0, :, 1]).all() and np.isfinite(got[0, :, 0]).all()
 
 
+def nonfinite_heads(a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``three_heads()`` with a NaN in kv head 1's V row at position 189 (only sequence 0's
+    last query attends it) and an inf in kv head 2's at position 40 (both of its queries)."""
+    a = dict(a)
+    v = a["v_cache"].copy()
+    bt = a["block_table"]
+    v[bt[0, 189 // 16], 1, 189 % 16, 3] = np.nan
+    v[bt[0, 40 // 16], 2, 40 % 16, 9] = np.inf
+    a["v_cache"] = v
+    return a
+
+
+@pytest.mark.parametrize("config", [{"HEADS": 2, "SPLIT": 1}, {"HEADS": 4, "SPLIT": 2},
+                                    {"WG": 32, "VEC": 1, "RB": 4, "HEADS": 4, "SPLIT": 1}],
+                         ids=["HEADS2", "HEADS4-SPLIT2", "scalar-HEADS4"])
+def test_nonfinite_v_rows_poison_their_own_heads_rows(kernel_target: str,
+                                                      config: dict[str, int]) -> None:
+    """In a group of kv heads, a bad V row poisons the rows of its own kv head's query heads
+    (2 per kv head here) that attend it, and no other head's."""
+    be = selection.get(kernel_target)
+    got = check(nonfinite_heads(three_heads()), {}, kernel_target,
+                {**SPEC.schedules[be.device_class], **config})
+    assert np.isfinite(got[0, 0:2]).all() and np.isfinite(got[1]).all()  # kv head 0; seq 1
+    assert np.isfinite(got[0, 2:4, 0]).all() and np.isnan(got[0, 2:4, 1]).all()  # kv head 1
+    assert np.isnan(got[0, 4:6]).all()  # kv head 2: both queries attend position 40
+
+
 # --- mutants: faults the oracle must catch ----------------------------------------------------
 MUTANTS = {
     "the combine drops the last split": (
@@ -471,6 +511,8 @@ MUTANTS = {
     "the scalar path runs a group's first head for every head": (
         "    kvh = kvh0 + hh;\n    for (int t = 0; t < PA_OPI", "    for (int t = 0; t < PA_OPI",
         {"SPLIT": 1, "WG": 32, "VEC": 1, "RB": 4, "HEADS": 2}),
+    "a bad V row poisons its group's first head's rows": (
+        "poison[hh][r] |= PA_KEEP", "poison[0][r] |= PA_KEEP", {"SPLIT": 1, "VEC": 16, "HEADS": 4}),
     "a split's last group keeps lanes of pages past the split's end": (
         "            live &= lpage < (pa_it)(p_hi - pg);\n", "",
         {"SPLIT": 8, "VEC": 16, "PAGES": 4}),  # 10 pages a split: groups of 4, 4, 2
@@ -482,7 +524,9 @@ CASE_EDITS = {"P.V never redoes a chunk whose V rows hold a NaN or an inf": nonf
               **{name: lambda _: three_heads() for name in (
                   "every head of a group reads its first head's pages",
                   "a sequence's last group of heads (fewer than HEADS) runs none",
-                  "the scalar path runs a group's first head for every head")}}
+                  "the scalar path runs a group's first head for every head")},
+              "a bad V row poisons its group's first head's rows":
+                  lambda _: nonfinite_heads(three_heads())}
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
