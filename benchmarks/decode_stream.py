@@ -37,30 +37,6 @@ from portakern.ops import paged_attention as pa
 from portakern.runtime import configs, selection
 
 STREAM_SOURCE = r"""
-__kernel void page_stream(__global const ushort* K, __global const ushort* V,
-                          __global const int* BT, __global uint* out, int mb, int hkv,
-                          int row_elems) {
-    const int g = get_global_id(0);
-    const int b = g / hkv, h = g - (g / hkv) * hkv;
-    uint16 a0 = 0, a1 = 0;
-    for (int p = 0; p < mb; ++p) {
-        const size_t page = ((size_t)BT[b * mb + p] * hkv + h) * row_elems;
-        if (p + 1 < mb) {  /* the next page into L2, as the decode's CPU schedule does */
-            const size_t nx = ((size_t)BT[b * mb + p + 1] * hkv + h) * row_elems;
-            for (int i = 0; i < row_elems; i += 32) {
-                __builtin_prefetch(K + nx + i, 0, 1);
-                __builtin_prefetch(V + nx + i, 0, 1);
-            }
-        }
-        for (int i = 0; i < row_elems; i += 32) {
-            a0 += convert_uint16(vload16(0, K + page + i))
-                  + convert_uint16(vload16(0, V + page + i));
-            a1 += convert_uint16(vload16(0, K + page + i + 16))
-                  + convert_uint16(vload16(0, V + page + i + 16));
-        }
-    }
-    vstore16(a0 + a1, g, out);
-}
 __kernel void heads_stream(__global const ushort* K, __global const ushort* V,
                            __global const int* BT, __global uint* out, int mb, int hkv,
                            int row_elems, int nsplit, int heads) {
@@ -132,7 +108,6 @@ def main(argv: list[str]) -> None:
     nbytes = 2 * nb * hkv * bs * d * 2  # the K and V pages, read once
     flat = pk.to_backend(np.ones(nbytes // 4, np.float32), target)
     prg = cl.Program(be.ctx, STREAM_SOURCE).build()
-    stream_k = cl.Kernel(prg, "page_stream")
     heads_k = cl.Kernel(prg, "heads_stream")
     # the decode's partition on this device: its groups of heads and splits, as planned
     spec = get_op("paged_attention")
@@ -161,9 +136,9 @@ def main(argv: list[str]) -> None:
                 np.int32(heads))
         be.queue.finish()
 
-    def stream() -> None:
-        stream_k(be.queue, (batch * hkv,), (1,), k.base_data, v.base_data, bt_dev, out,
-                 np.int32(mb), np.int32(hkv), np.int32(bs * d))
+    def stream() -> None:  # one work-item per sequence and kv head, unsplit
+        heads_k(be.queue, (batch * hkv,), (1,), k.base_data, v.base_data, bt_dev, out,
+                np.int32(mb), np.int32(hkv), np.int32(bs * d), np.int32(1), np.int32(1))
         be.queue.finish()
 
     def flat_read() -> None:

@@ -412,17 +412,23 @@ def test_simulator_split_and_unchecked_bad_tables(schedule: str) -> None:
     assert v.ok, str(v)
 
 
+def with_bad_v(a: dict[str, np.ndarray], *entries: tuple[int, int, int, float]
+               ) -> dict[str, np.ndarray]:
+    """``a`` with sequence 0's V entries (position, kv head, column) set to the values."""
+    a = dict(a)
+    v = a["v_cache"].copy()
+    bs = v.shape[2]
+    for pos, head, col, value in entries:
+        v[a["block_table"][0, pos // bs], head, pos % bs, col] = value
+    a["v_cache"] = v
+    return a
+
+
 def nonfinite_v(a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Sequence 0 of ``paged(..., B=1, BS=8, lens=[600])``: an inf in the V row at position 83
     (every query attends it), a NaN in the V row at 599 (only the last query, at 599, attends
     it: the query at 598 must stay finite)."""
-    a = dict(a)
-    v = a["v_cache"].copy()
-    bt = a["block_table"]
-    v[bt[0, 83 // 8], 0, 83 % 8, 5] = np.inf
-    v[bt[0, 599 // 8], 0, 599 % 8, 7] = np.nan
-    a["v_cache"] = v
-    return a
+    return with_bad_v(a, (83, 0, 5, np.inf), (599, 0, 7, np.nan))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -435,24 +441,14 @@ def test_nonfinite_v_rows_poison_exactly_the_rows_that_attend_them(kernel_target
                           MB=80, lens=[600], dtype=dtype))
     got = check(a, {}, kernel_target)
     assert np.isnan(got[0, :, 1]).all() and np.isnan(got[0, :, 0]).all()
-    b = dict(a)
-    v = a["v_cache"].copy()
-    v[a["block_table"][0, 83 // 8], 0, 83 % 8, 5] = 0  # only the NaN at 599 left
-    b["v_cache"] = v
-    got = check(b, {}, kernel_target)
+    got = check(with_bad_v(a, (83, 0, 5, 0.0)), {}, kernel_target)  # only the NaN at 599
     assert np.isnan(got[0, :, 1]).all() and np.isfinite(got[0, :, 0]).all()
 
 
 def nonfinite_heads(a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``three_heads()`` with a NaN in kv head 1's V row at position 189 (only sequence 0's
     last query attends it) and an inf in kv head 2's at position 40 (both of its queries)."""
-    a = dict(a)
-    v = a["v_cache"].copy()
-    bt = a["block_table"]
-    v[bt[0, 189 // 16], 1, 189 % 16, 3] = np.nan
-    v[bt[0, 40 // 16], 2, 40 % 16, 9] = np.inf
-    a["v_cache"] = v
-    return a
+    return with_bad_v(a, (189, 1, 3, np.nan), (40, 2, 9, np.inf))
 
 
 @pytest.mark.parametrize("config", [{"HEADS": 2, "SPLIT": 1}, {"HEADS": 4, "SPLIT": 2},
