@@ -284,14 +284,28 @@ def groups_per_split(p: Problem, cfg: Mapping[str, int]) -> int:
 
 SPLIT_GROUPS_PER_UNIT = 2  # split until the groups fill each compute unit this many times
 MAX_AUTO_HEADS = 8  # HEADS = 0 takes at most this many (8: 1.2-1.4x from memory on a Zen 4)
+# below this many bytes of pages a call's cache is likely in the last-level cache, where a
+# group of heads buys no locality and one head a group ran 5-15% faster (16 MiB on a Zen 4
+# with a 32 MiB L3; at 32 MiB the group was 1.0-1.1x faster: docs/decode.md)
+HEADS_MIN_BYTES = 32 << 20
+
+
+def page_bytes(p: Problem) -> int:
+    """The K and V pages a call may read: every sequence at its table's capacity."""
+    d = p.derived
+    return (d["B"] * d["Hkv"] * d["MB"] * d["BS"] * (d["D"] + d["Dv"])
+            * p.info.storage.itemsize)
 
 
 def auto_heads(p: Problem, cfg: Mapping[str, int], compute_units: int) -> int:
-    """HEADS = 0: the most kv heads a group (MAX_AUTO_HEADS, halved) for which the call's
-    groups, times the splits it may take (SPLIT's if forced, else as many as keep
-    MIN_SPLIT_KEYS keys each), still fill each compute unit SPLIT_GROUPS_PER_UNIT times:
-    the locality of a group of heads never costs a core its work (a B1 call forced unsplit
-    on 2 cores takes 2, 64 cores at 4096 tokens take 1)."""
+    """HEADS = 0: one head a group when the pages are fewer than HEADS_MIN_BYTES; else the
+    most kv heads a group (MAX_AUTO_HEADS, halved) for which the call's groups, times the
+    splits it may take (SPLIT's if forced, else as many as keep MIN_SPLIT_KEYS keys each),
+    still fill each compute unit SPLIT_GROUPS_PER_UNIT times: the locality of a group of
+    heads never costs a core its work (a B1 call forced unsplit on 2 cores takes 2, 64 cores
+    at 4096 tokens take 1)."""
+    if page_bytes(p) < HEADS_MIN_BYTES:
+        return 1
     d = p.derived
     split = cfg.get("SPLIT", 0)
     most = splits(p, cfg)[0] if split > 0 else max(1, min(d["MB"] * d["BS"] // MIN_SPLIT_KEYS,

@@ -264,12 +264,14 @@ def test_automatic_split_follows_the_compute_units() -> None:
 
     # HEADS = 0: up to 8 kv heads a group while every core keeps 2 groups: B1 on 2 cores
     # holds all 8 in one group and splits in 4; forced unsplit it takes 2 heads (4 groups);
-    # a context too short to split, 2; 64 cores at 4096 tokens, 1 (8 x 16 splits)
+    # 64 cores at 32768 tokens, 8 heads and 128 splits; at 8192 (32 MiB), 2 (4 x 32 splits)
     assert fitted_cpu(1, 32768, 2) == (8, 4) and fitted_cpu(8, 32768, 2) == (8, 1)
     assert fitted_cpu(1, 32768, 2, split=1) == (2, 1)
-    assert fitted_cpu(1, 256, 2) == (2, 1)
-    assert fitted_cpu(1, 4096, 64) == (1, 16) and fitted_cpu(1, 32768, 64) == (8, 128)
-    assert fitted_cpu(4, 256, 64) == (1, 1)
+    assert fitted_cpu(1, 32768, 64) == (8, 128) and fitted_cpu(1, 8192, 64) == (2, 32)
+    assert fitted_cpu(1, 8192, 2) == (8, 4)  # 32 MiB of pages: HEADS_MIN_BYTES
+    # fewer bytes of pages (likely in cache): one head a group, as before HEADS
+    assert fitted_cpu(1, 4096, 2) == (1, 1) and fitted_cpu(1, 4096, 64) == (1, 16)
+    assert fitted_cpu(8, 256, 2) == (1, 1)
     ex, _ = pa.example("float16", B=1, MB=64)
     prob = SPEC.problem(ex, dict(SPEC.params))
     assert pa.heads_per_group(prob, SPEC.schedules["cpu"]) == 1  # no device: one head
