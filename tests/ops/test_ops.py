@@ -117,6 +117,13 @@ ALTERNATIVE_CONFIGS = {
         {"SPLIT": 4, "BK": 16},  # split-K: four key ranges merged by attention_combine
         {"SPLIT": 2, "VEC": 1, "TQ": 1, "RQ": 1, "BQ": 16, "BK": 8, "PACK_KV": 0},  # GPU path
     ],
+    # groups of kv heads a work-group (HEADS: the CPU schedule's choice from 32 MiB of pages,
+    # which the drawn cases never reach): every page for each head of the group in turn
+    "paged_attention": [
+        {"HEADS": 8, "SPLIT": 1},  # all of a drawn layout's kv heads (1, 2 or 4) in one group
+        {"HEADS": 2, "SPLIT": 4},  # groups of 2 and key splits
+        {"HEADS": 2, "WG": 32, "VEC": 1, "RB": 4, "SPLIT": 1},  # the scalar (GPU) path
+    ],
 }
 
 
